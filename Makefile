@@ -1,0 +1,29 @@
+# megatron-async: `make test` and `make demo` work on a fresh machine.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# A Python 3.12 that really runs: python3.12 on PATH, else pyenv's newest 3.12.
+PYTHON312 ?= $(shell \
+	if python3.12 -c '' >/dev/null 2>&1; then command -v python3.12; \
+	else ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; fi)
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py
+	@test -n "$(PYTHON312)" || { echo "error: no Python 3.12 found (install python3.12 or pyenv install 3.12)"; exit 1; }
+	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: setup
+	bash examples/demo.sh
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
