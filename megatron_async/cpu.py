@@ -1,0 +1,311 @@
+"""Run Megatron-Core on a machine without CUDA by mapping its CUDA calls to the CPU.
+
+Megatron-Core assumes CUDA everywhere: tensors are created with ``device='cuda'`` or
+``torch.cuda.current_device()``, streams and events order communication, the RNG
+tracker forks CUDA generator states, and several asserts compare ``Tensor.type()``
+against ``'torch.cuda.FloatTensor'``. This module makes all of that run on the CPU
+(with the gloo backend), so GPTModel, DDP, the distributed optimizer, MoE and the
+pipeline schedules work in CPU smoke runs and CI.
+
+It is activated explicitly (``activate()``, ``--device cpu``) or by ``auto`` when CUDA
+is absent, and refuses to activate when CUDA is present: nothing here ever changes a
+GPU run. Each patch names the Megatron-Core code that needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+_MODE: "CudaToCpuMode | None" = None
+
+# Tensor.type() names that Megatron compares against (clip_grads.py,
+# optimizer.py, distrib_optimizer.py all assert on 'torch.cuda.*Tensor').
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Integer devices: torch.cuda.current_device() returns 0 and Megatron passes it
+    # as device= to factories (e.g. DDP buffers, tensor_parallel.layers).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CPU = torch.device("cpu")
+
+
+def _cpu_if_cuda(device: Any) -> Any:
+    return _CPU if _is_cuda_device(device) else device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU in every torch call.
+
+    Covers tensor factories (``torch.empty(..., device='cuda')``), ``Tensor.to('cuda')``,
+    ``Tensor.to(0)``, ``Tensor.cuda()`` and ``Tensor.type()`` (which reports the CUDA
+    type name Megatron's optimizer asserts expect).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if func is torch.Tensor.to:
+            args = tuple(_cpu_if_cuda(a) for a in args)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs["device"] = _CPU
+        return func(*args, **kwargs)
+
+
+class _Event:
+    """torch.cuda.Event on the CPU: ops run eagerly, so every event is complete.
+
+    Needed by the MoE token dispatchers and by DDP/optimizer overlap code, which
+    record events on side streams and wait on them.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self._time = None
+
+    def record(self, stream=None):
+        import time
+
+        self._time = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end._time - self._time) * 1000.0
+
+
+class _Stream:
+    """torch.cuda.Stream on the CPU: one in-order stream, so waits are no-ops.
+
+    Needed by the MoE dispatchers (shared-expert and comm streams), DDP's
+    communication stream and the distributed optimizer's all-gather overlap.
+    """
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.device = _CPU
+        self.priority = priority
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _Event()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_DEFAULT_STREAM = _Stream()
+
+
+@contextlib.contextmanager
+def _stream_ctx(stream=None):
+    yield stream
+
+
+class _DeviceCtx:
+    """torch.cuda.device(idx) as a no-op context (tensor_parallel.random uses it)."""
+
+    def __init__(self, device=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cuda_patches() -> dict[str, Any]:
+    """Replacements for torch.cuda functions Megatron calls, keyed by attribute name."""
+    return {
+        # parallel_state, DDP buffers, tensor_parallel layers: device placement.
+        "current_device": lambda: 0,
+        "device_count": lambda: 1,
+        "set_device": lambda device: None,
+        "device": _DeviceCtx,
+        # training loops, timers, checkpointing: ordering with the host.
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        # MoE dispatchers, DDP overlap, distributed optimizer: streams and events.
+        "Event": _Event,
+        "Stream": _Stream,
+        "current_stream": lambda device=None: _DEFAULT_STREAM,
+        "default_stream": lambda device=None: _DEFAULT_STREAM,
+        "stream": _stream_ctx,
+        # tensor_parallel.random (RNG tracker, model_parallel_cuda_manual_seed):
+        # the "CUDA" generator is the CPU default generator.
+        # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the
+        # generator directly to avoid recursing.)
+        "get_rng_state": lambda device="cuda": torch.default_generator.get_state(),
+        "set_rng_state": lambda new_state, device="cuda": torch.default_generator.set_state(new_state),
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)) and None,
+        "manual_seed_all": lambda seed: None,
+        "seed": lambda: None,
+        "seed_all": lambda: None,
+        "initial_seed": lambda: torch.default_generator.initial_seed(),
+        # memory reports in Megatron's training utilities.
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "get_device_capability": lambda device=None: (0, 0),
+        "get_device_name": lambda device=None: "cpu (cuda emulation)",
+    }
+
+
+def _patch_rng_tracker() -> None:
+    """Megatron's CUDA RNG tracker calls _set_cuda_rng_state, which indexes
+    torch.cuda.default_generators; on the CPU the state is the CPU generator's."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def _set_state(new_state, device=-1, graph_safe=False):
+        torch.default_generator.set_state(new_state)
+
+    def _get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.default_generator.get_state()
+
+    mp_random._set_cuda_rng_state = _set_state
+    if hasattr(mp_random, "_get_cuda_rng_state"):
+        mp_random._get_cuda_rng_state = _get_state
+    # tracker.fork() warns when the CPU RNG changes inside a CUDA RNG fork; here the
+    # CUDA RNG *is* the CPU RNG, so that warning is expected and only noise.
+    logging.getLogger(mp_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
+    )
+
+
+def _patch_missing_te_names() -> None:
+    """megatron-core 0.19.2 imports `te_general_gemm` from its TE extension in
+    moe_utils; without Transformer Engine the name may be absent. Define it as None
+    so MoE routing takes its plain-PyTorch path."""
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    if not hasattr(te_ext, "te_general_gemm"):
+        te_ext.te_general_gemm = None
+
+
+def _patch_autograd_backward() -> None:
+    """Torch function modes are not active while autograd runs a custom Function's
+    backward. Megatron's backward passes allocate with device=current_device()
+    (tensor_parallel.mappings gather/scatter, MoE all-to-all), so re-enter the
+    mode around every custom backward."""
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+
+    def apply_on_cpu(self, *args):
+        if torch._C._len_torch_function_stack() > 0:
+            return original(self, *args)
+        with _MODE:
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply_on_cpu
+
+
+def _patch_moe_host_copies() -> None:
+    """The MoE all-to-all dispatcher copies its split sizes to the host with
+    maybe_move_tensor_to_cpu(as_numpy=True), which does nothing unless
+    `tensor.is_cuda`; on the CPU the sizes would stay tensors, which gloo's
+    all_to_all_single rejects. Convert them on the CPU too."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.detach().cpu().numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def activate() -> bool:
+    """Enable CUDA emulation on the CPU. Returns False (and does nothing) with CUDA."""
+    global _ACTIVE, _MODE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available():
+        return False
+    for name, value in _cuda_patches().items():
+        setattr(torch.cuda, name, value)
+    # `torch.cuda.is_available()` stays False: Megatron uses it to choose gloo/CPU paths.
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+    _patch_autograd_backward()
+    _patch_rng_tracker()
+    _patch_moe_host_copies()
+    with contextlib.suppress(ImportError):
+        _patch_missing_te_names()
+    _ACTIVE = True
+    return True
+
+
+def setup_device(device: str = "auto") -> str:
+    """Resolve `--device {auto,cpu,cuda}` and activate emulation for cpu. Returns 'cpu' or 'cuda'."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise RuntimeError("--device cuda: no CUDA device is available (use --device cpu)")
+    if device == "cpu" and has_cuda:
+        raise RuntimeError(
+            "--device cpu: CUDA is available; CPU emulation never runs beside CUDA "
+            "(use --device cuda or hide the GPUs with CUDA_VISIBLE_DEVICES='')"
+        )
+    if has_cuda:
+        return "cuda"
+    activate()
+    return "cpu"

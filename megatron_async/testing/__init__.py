@@ -1,0 +1,1 @@
+"""Test support: multi-rank gloo harness and tiny Megatron GPT builders."""

@@ -1,0 +1,202 @@
+"""A tiny Megatron-Core GPT with any TP/PP/EP/DP layout, for multi-rank tests.
+
+Everything is built with the product's own builders (`megatron_async.model`,
+`megatron_async.parallel`) and Megatron's DDP and optimizer; only the sizes are
+tiny and the data is seeded random tokens, identical on every rank, so runs with
+different layouts see the same global batches and can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_async.forward_step import gpt_forward_step, reduce_lm_loss
+from megatron_async.model import attach_schedule_hooks, build_gpt_chunks, wrap_ddp
+from megatron_async.parallel import init_model_parallel
+from megatron_async.schedules.registry import get_forward_backward_func
+
+
+@dataclass
+class TinyGPT:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    vocab_size: int = 64
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "alltoall"
+    use_distributed_optimizer: bool = False
+    optimizer: str = "adam"
+    lr: float = 1e-2
+    clip_grad: float = 1.0
+    seed: int = 1234
+    schedule: Optional[str] = None  # default: no-pipelining for PP=1, 1f1b otherwise
+    extra_optimizer_config: dict = field(default_factory=dict)
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+    def num_microbatches(self, world_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp(world_size))
+
+
+def transformer_config(spec: TinyGPT) -> TransformerConfig:
+    moe = {}
+    if spec.num_experts:
+        moe = dict(
+            num_moe_experts=spec.num_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+            moe_aux_loss_coeff=0.0,
+            moe_router_load_balancing_type="none",
+            add_bias_linear=False,  # SequentialMLP adds expert bias in place on a custom-Function view
+        )
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        expert_model_parallel_size=spec.ep,
+        sequence_parallel=False,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        **moe,
+    )
+
+
+def build(spec: TinyGPT):
+    """(model chunks wrapped in DDP, optimizer, transformer config) on this rank."""
+    init_model_parallel(spec.tp, spec.pp, spec.ep, seed=spec.seed)
+    config = transformer_config(spec)
+    chunks = build_gpt_chunks(config, spec.vocab_size, spec.seq_length, share_embeddings_and_output_weights=False)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=spec.use_distributed_optimizer,
+    )
+    model = wrap_ddp(chunks, config, ddp_config)
+    opt_config = OptimizerConfig(
+        optimizer=spec.optimizer,
+        lr=spec.lr,
+        weight_decay=0.0,
+        clip_grad=spec.clip_grad,
+        use_distributed_optimizer=spec.use_distributed_optimizer,
+        **spec.extra_optimizer_config,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    attach_schedule_hooks(config, model, optimizer)
+    return model, optimizer, config
+
+
+def global_batch(spec: TinyGPT, iteration: int) -> torch.Tensor:
+    """Token ids [global_batch_size, seq_length + 1], the same on every rank.
+
+    Tokens follow a learnable rule (next = previous + 1 mod vocab, with noise) so
+    the loss visibly falls within a few steps.
+    """
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + iteration)
+    start = torch.randint(0, spec.vocab_size, (spec.global_batch_size, 1), generator=gen)
+    ramp = torch.arange(spec.seq_length + 1).unsqueeze(0)
+    tokens = (start + ramp) % spec.vocab_size
+    noise = torch.rand(tokens.shape, generator=gen) < 0.1
+    random_tokens = torch.randint(0, spec.vocab_size, tokens.shape, generator=gen)
+    return torch.where(noise, random_tokens, tokens)
+
+
+def microbatches(spec: TinyGPT, iteration: int) -> Iterator[dict]:
+    """This data-parallel rank's microbatches of the global batch."""
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    tokens = global_batch(spec, iteration)
+    per_rank = spec.global_batch_size // dp_size
+    local = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    for start in range(0, per_rank, spec.micro_batch_size):
+        chunk = local[start : start + spec.micro_batch_size]
+        yield {"tokens": chunk[:, :-1].contiguous(), "labels": chunk[:, 1:].contiguous()}
+
+
+def full_named_params(model) -> dict[str, torch.Tensor]:
+    """This stage's parameters with tensor-parallel shards gathered, by name (cloned)."""
+    out = {}
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for index, chunk in enumerate(model):
+        for name, param in chunk.module.named_parameters():
+            data = param.detach().clone()
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(data) for _ in range(tp)]
+                dist.all_gather(parts, data.contiguous(), group=group)
+                data = torch.cat(parts, dim=param.partition_dim)
+            out[f"{index}.{name}"] = data
+    return out
+
+
+def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[str, Any]:
+    """Train `iterations` steps; return losses (last stage), grad flags and final weights."""
+    model, optimizer, config = build(spec)
+    schedule = spec.schedule or ("1f1b" if spec.pp > 1 else "no-pipelining")
+    forward_backward = get_forward_backward_func(schedule)
+    num_micro = spec.num_microbatches(world_size)
+    losses, grads_present = [], []
+    for iteration in range(iterations):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reduced = forward_backward(
+            forward_step_func=gpt_forward_step,
+            data_iterator=microbatches(spec, iteration),
+            model=model,
+            num_microbatches=num_micro,
+            seq_length=spec.seq_length,
+            micro_batch_size=spec.micro_batch_size,
+            forward_only=False,
+        )
+        grads_present.append(
+            all(
+                p.main_grad is not None and bool(torch.isfinite(p.main_grad).all())
+                and float(p.main_grad.abs().sum()) > 0
+                for chunk in model for p in chunk.parameters() if p.requires_grad
+            )
+        )
+        update_ok, grad_norm, _ = optimizer.step()
+        assert update_ok, f"optimizer step {iteration} was skipped"
+        loss = reduce_lm_loss(reduced)
+        if loss is not None:
+            # average over data-parallel replicas only (never across pipeline stages)
+            t = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+            loss = t.item() / parallel_state.get_data_parallel_world_size()
+        losses.append(loss)
+    return {
+        "rank": rank,
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+        "losses": losses,
+        "grads_present": grads_present,
+        "params": full_named_params(model),
+        "spec": dataclasses.asdict(spec),
+    }
+
+
+def train_entry(rank: int, world_size: int, spec: TinyGPT, iterations: int) -> dict[str, Any]:
+    """Entry point for `run_distributed` (module-level, so it pickles)."""
+    return train(spec, iterations, rank, world_size)
