@@ -22,6 +22,7 @@ setup(
         "test": [
             "pytest==9.2.0",
             "hypothesis==6.170.15",
+            "pytest-timeout==2.4.0",
         ],
     },
     entry_points={
