@@ -17,6 +17,7 @@ setup(
         "sentencepiece==0.2.3",
         "numpy==2.5.5",
         "matplotlib==3.11.2",
+        "psutil==7.2.2",  # Megatron dist_checkpointing writers
     ],
     extras_require={
         "test": [

@@ -1,0 +1,1 @@
+"""The trainer behind `megatron-async-pretrain`: flags, model, data, loop, checkpoints."""

@@ -1,0 +1,125 @@
+"""The training loop: one Megatron forward-backward and optimizer step per iteration,
+periodic evaluation, progress output and checkpoints.
+
+Losses are averaged over data-parallel replicas only; the loss lives on the last
+pipeline stage and is never broadcast to other stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_async.forward_step import gpt_forward_step
+from megatron_async.schedules.registry import get_forward_backward_func
+from megatron_async.training.data import microbatch_iterator
+from megatron_async.training.metrics import RunLog
+
+
+def holds_loss() -> bool:
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def is_logging_rank() -> bool:
+    return (
+        holds_loss()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+
+
+def dp_mean_loss(losses_reduced: list[dict]) -> Optional[float]:
+    """Token-weighted LM loss over all data-parallel replicas (last stage only)."""
+    if not holds_loss() or not losses_reduced:
+        return None
+    total = torch.stack([d["lm loss"].float() for d in losses_reduced]).sum(dim=0).double()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+class Trainer:
+    """Runs `args.train_iters` iterations of the schedule `args.pipeline_schedule`."""
+
+    def __init__(self, args: argparse.Namespace, model, config, optimizer, scheduler,
+                 train_ds, valid_ds, run_log: RunLog, checkpointer=None):
+        self.args = args
+        self.model = model
+        self.config = config
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_ds = train_ds
+        self.valid_ds = valid_ds
+        self.log = run_log
+        self.checkpointer = checkpointer
+        self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
+
+    def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
+        model = self.model
+        data = data_iterator
+        if len(model) > 1:  # interleaved: one iterator per virtual stage, same batches
+            data = [microbatch_iterator(*data_iterator) for _ in model]
+        elif isinstance(data_iterator, tuple):
+            data = microbatch_iterator(*data_iterator)
+        return self.forward_backward(
+            forward_step_func=gpt_forward_step,
+            data_iterator=data,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=self.args.num_microbatches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self, iteration: int) -> tuple[Optional[float], Optional[float]]:
+        """Iteration `iteration` (0-based): returns (lm loss or None, grad norm)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        batches = (self.train_ds, iteration, self.args.global_batch_size, self.args.micro_batch_size)
+        losses = self._run_schedule(batches, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        return dp_mean_loss(losses), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, evaluation_index: int) -> Optional[float]:
+        if self.valid_ds is None:
+            return None
+        for chunk in self.model:
+            chunk.eval()
+        totals = []
+        for k in range(self.args.eval_iters):
+            batches = (self.valid_ds, evaluation_index * self.args.eval_iters + k,
+                       self.args.global_batch_size, self.args.micro_batch_size)
+            totals.extend(self._run_schedule(batches, forward_only=True))
+        for chunk in self.model:
+            chunk.train()
+        return dp_mean_loss(totals)
+
+    def run(self, start_iteration: int = 0) -> Optional[float]:
+        """Train from `start_iteration` to `args.train_iters`; returns the last validation loss."""
+        args = self.args
+        last_val = None
+        for iteration in range(start_iteration, args.train_iters):
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            tic = time.perf_counter()
+            loss, grad_norm = self.train_step(iteration)
+            elapsed = time.perf_counter() - tic
+            done = iteration + 1
+            self.log.iteration(done, loss, lr, grad_norm, elapsed)
+            if done % args.log_interval == 0 or done == args.train_iters:
+                self.log.progress(done, resumed_from=start_iteration)
+            if done % args.eval_interval == 0 or done == args.train_iters:
+                val = self.evaluate(done // args.eval_interval)
+                if val is not None:
+                    last_val = val
+                    self.log.evaluation(done, val)
+            if self.checkpointer is not None and args.save_interval and done % args.save_interval == 0:
+                self.checkpointer.save(done)
+        return last_val

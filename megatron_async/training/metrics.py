@@ -1,0 +1,122 @@
+"""What a user sees of a run: progress lines, JSON-lines metrics, a loss plot.
+
+Only the rank that holds the loss (last pipeline stage, first data-parallel and
+tensor-parallel rank) writes; nothing here communicates across pipeline stages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class RunLog:
+    """Progress lines, metrics records and the loss history of one run."""
+
+    def __init__(self, enabled: bool, total_iters: int, tokens_per_iter: int,
+                 metrics_path: Optional[str] = None, stream=sys.stdout):
+        self.enabled = enabled
+        self.total_iters = total_iters
+        self.tokens_per_iter = tokens_per_iter
+        self.stream = stream
+        self.train: list[tuple[int, float]] = []
+        self.valid: list[tuple[int, float]] = []
+        self._window: list[dict] = []
+        self._start = time.monotonic()
+        self._file = None
+        if enabled and metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
+            self._file = open(metrics_path, "a", encoding="utf-8")
+
+    def _write(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def iteration(self, iteration: int, lm_loss: Optional[float], lr: float,
+                  grad_norm: Optional[float], seconds: float, **extra) -> None:
+        """Record iteration `iteration` (1-based)."""
+        if not self.enabled:
+            return
+        record = dict(
+            iteration=iteration,
+            lm_loss=lm_loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            s_per_iter=seconds,
+            tokens_per_s=self.tokens_per_iter / seconds if seconds > 0 else None,
+            **extra,
+        )
+        self._write(record)
+        if lm_loss is not None:
+            self.train.append((iteration, lm_loss))
+        self._window.append(record)
+
+    def progress(self, iteration: int, resumed_from: int = 0) -> None:
+        """Print one line summarising the iterations since the last progress line."""
+        if not self.enabled or not self._window:
+            return
+        window, self._window = self._window, []
+        losses = [r["lm_loss"] for r in window if r["lm_loss"] is not None]
+        secs = sum(r["s_per_iter"] for r in window) / len(window)
+        norm = window[-1]["grad_norm"]
+        done = iteration - resumed_from
+        elapsed = time.monotonic() - self._start
+        eta = elapsed / max(done, 1) * (self.total_iters - iteration)
+        loss_txt = f"{sum(losses) / len(losses):.4f}" if losses else "-"
+        norm_txt = f"{norm:.3f}" if norm is not None and math.isfinite(norm) else "-"
+        print(
+            f"iteration {iteration:>6d}/{self.total_iters} | lm loss {loss_txt} | "
+            f"lr {window[-1]['lr']:.3e} | grad norm {norm_txt} | {secs:.3f} s/iter | "
+            f"{self.tokens_per_iter / secs:,.0f} tokens/s | ETA {_fmt_duration(eta)}",
+            file=self.stream, flush=True,
+        )
+
+    def evaluation(self, iteration: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
+        self.valid.append((iteration, val_loss))
+        self._write({"iteration": iteration, "val_loss": val_loss})
+        print(f"validation at iteration {iteration} | val loss {val_loss:.4f} | "
+              f"val ppl {math.exp(min(val_loss, 50)):.2f}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+def plot_losses(path: str, train: list[tuple[int, float]], valid: list[tuple[int, float]],
+                title: str = "") -> str:
+    """Write a PNG of training and validation loss; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="train lm loss", linewidth=1.0, alpha=0.8)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation loss", linewidth=1.5)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or "megatron-async pretraining")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
