@@ -1,0 +1,23 @@
+"""Action-list generators by schedule name: (num_stages, microbatches, batches) -> lists.
+
+Each returns one ordered action list per stage (see `actions`). The registry points
+at these functions; `generate` is the short way to call one by name.
+"""
+
+from megatron_async.schedules.gen_2bw import min_microbatches_2bw, two_bw  # noqa: F401
+from megatron_async.schedules.gen_flush import gpipe, one_f_one_b_flush  # noqa: F401
+from megatron_async.schedules.gen_pipedream import pipedream, pipedream_versions  # noqa: F401
+
+GENERATORS = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b_flush,
+    "2bw": two_bw,
+    "pipedream": pipedream,
+}
+
+
+def generate(name: str, num_stages: int, microbatches: int, batches: int = 1):
+    """Action lists of the registered schedule `name`."""
+    from megatron_async.schedules.registry import get_schedule_generator
+
+    return get_schedule_generator(name)(num_stages, microbatches, batches)
