@@ -1,0 +1,26 @@
+"""Launch `megatron-async-pretrain` under torchrun from tests and benchmarks, with a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+
+def torchrun_pretrain(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None) -> subprocess.CompletedProcess:
+    """Run the trainer on `nproc` local ranks; the whole process group dies on timeout."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "megatron_async.pretrain_gpt", *map(str, args),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"torchrun did not finish within {timeout_s:.0f} s:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
