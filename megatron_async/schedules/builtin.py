@@ -3,6 +3,7 @@
 from megatron_async.schedules.registry import register_schedule
 
 _MCORE = "megatron.core.pipeline_parallel.schedules:"
+_GEN = "megatron_async.schedules.generators:"
 
 register_schedule(
     "no-pipelining",
@@ -14,10 +15,31 @@ register_schedule(
     description="Megatron-Core PipeDream-flush (1F1B) with a flush at every batch",
     forward_backward_func=_MCORE + "forward_backward_pipelining_without_interleaving",
     requires_pipeline=True,
+    generator=_GEN + "one_f_one_b_flush",
 )
 register_schedule(
     "interleaved-1f1b",
     description="Megatron-Core interleaved 1F1B over virtual pipeline stages",
     forward_backward_func=_MCORE + "forward_backward_pipelining_with_interleaving",
     requires_pipeline=True,
+)
+register_schedule(
+    "gpipe",
+    description="GPipe: all forwards, then all backwards, flush at every batch (action lists only)",
+    generator=_GEN + "gpipe",
+    requires_pipeline=True,
+)
+register_schedule(
+    "2bw",
+    description="PipeDream-2BW: 1F1B without flush, two weight versions, constant one-step delay",
+    generator=_GEN + "two_bw",
+    requires_pipeline=True,
+    asynchronous=True,
+)
+register_schedule(
+    "pipedream",
+    description="PipeDream: a step per microbatch, weight stashing, delay p-1-s at stage s",
+    generator=_GEN + "pipedream",
+    requires_pipeline=True,
+    asynchronous=True,
 )
