@@ -17,7 +17,8 @@ from megatron_async.schedules.gen_common import add_communication, check_sizes, 
 
 
 def pipedream_versions(num_stages: int) -> list[int]:
-    """Weight versions stage s must hold in steady state (enough microbatches)."""
+    """Weight versions stage s must hold once the run is long enough to reach the steady
+    state (at least 2p-1 microbatches in all); shorter runs need fewer."""
     return [num_stages - s for s in range(num_stages)]
 
 
