@@ -26,7 +26,7 @@ approx = pytest.approx
 
 
 @pytest.mark.parametrize("f,b", COSTS)
-@pytest.mark.parametrize("p,m,n", SIZES)
+@pytest.mark.parametrize("p,m,n", SIZES + [(5, 2, 2), (4, 1, 3)])  # also m < p
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_flushed_bubble(name, p, m, n, f, b):
     r = simulate(generate(name, p, m, n), fwd=f, bwd=b)

@@ -10,9 +10,10 @@ Bound on m. At stage s the first forward of batch b runs right after the backwar
 of microbatch b*m - (p-1-s) - 1, and it needs version b-1, which the step after the
 last backward of batch b-2 (microbatch (b-1)*m - 1) produces. That step has run iff
 (b-1)*m - 1 <= b*m - (p-1-s) - 1, i.e. m >= p-1-s; stage 0 binds: m >= p-1.
-Two versions always suffice once that holds: while any microbatch of batch b is
-unfinished, step b has not run, so the newest version is at most b, and the oldest
-one still needed is b-1. (PipeDream-2BW's m >= p is sufficient, not tight, here.)
+Two versions always suffice once that holds: if b is the oldest batch with an
+unfinished microbatch on a stage, step b has not run there (newest version <= b) and
+no earlier batch needs anything, so only b-1 and b are held. (PipeDream-2BW's
+m >= p is sufficient, not tight, for this rule.)
 """
 
 from __future__ import annotations

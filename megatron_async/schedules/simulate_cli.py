@@ -70,11 +70,10 @@ def _table(args, summary: dict) -> str:
 
 
 def _flag_of(message: str) -> str:
-    """The command-line flag an error message is about."""
-    for word, flag in (("fwd", "--fwd"), ("bwd", "--bwd"), ("opt", "--opt"), ("p2p", "--p2p"),
-                       ("microbatches", "--microbatches"), ("stages", "--pp")):
-        if message.startswith(word) or word in message.split(" ", 3)[:3]:
-            return flag
+    """The command-line flag a generator or simulator error is about."""
+    for name in ("fwd", "bwd", "opt", "p2p"):
+        if message.startswith(name):
+            return f"--{name}"
     return "--microbatches" if "microbatches" in message else "arguments"
 
 
