@@ -64,11 +64,11 @@ def _produces(action: Compute, stage: int, last: int) -> list[Action]:
     return []
 
 
-def add_communication(compute: Sequence[Iterable[Compute]]) -> list[list[Action]]:
-    """Full action lists from per-stage compute orders (see module docstring)."""
+def _segments(compute: Sequence[Iterable[Compute]]) -> list[list[tuple[str, object]]]:
+    """Per stage: compute actions, and between them the run of sends of the previous
+    compute plus receives of the next one, as ("compute", action) / ("comm", [actions])."""
     last = len(compute) - 1
-    # Per stage: alternating runs of communication and single compute actions.
-    segments: list[list[tuple[str, object]]] = []
+    segments = []
     for s, acts in enumerate(compute):
         segs, pending = [], []
         for a in acts:
@@ -80,17 +80,29 @@ def add_communication(compute: Sequence[Iterable[Compute]]) -> list[list[Action]
         if pending:
             segs.append(("comm", pending))
         segments.append(segs)
+    return segments
 
-    out: list[list[Action]] = [[] for _ in compute]
-    pos = [0] * len(compute)
-    runs = [None] * len(compute)  # the unmatched actions of the run each stage is in
+
+def add_communication(compute: Sequence[Iterable[Compute]]) -> list[list[Action]]:
+    """Full action lists from per-stage compute orders (see module docstring)."""
+    segments = _segments(compute)
+    stages = range(len(segments))
+    out: list[list[Action]] = [[] for _ in stages]
+    pos = [0] * len(segments)  # current segment per stage
+    runs = [None] * len(segments)  # unmatched actions of the run a stage is in
 
     def current_run(s):
         if runs[s] is None and pos[s] < len(segments[s]) and segments[s][pos[s]][0] == "comm":
             runs[s] = list(segments[s][pos[s]][1])
-        return runs[s]
+        return runs[s] or []
+
+    def leave_run_if_done(s):
+        if runs[s] == []:
+            runs[s] = None
+            pos[s] += 1
 
     def advance(s):
+        """Run stage s until it waits for a peer; each match happens at both ends at once."""
         while pos[s] < len(segments[s]):
             kind, item = segments[s][pos[s]]
             if kind == "compute":
@@ -99,30 +111,24 @@ def add_communication(compute: Sequence[Iterable[Compute]]) -> list[list[Action]
                 continue
             run = current_run(s)
             for a in list(run):
-                peer_run = current_run(a.peer) if 0 <= a.peer <= last else None
-                other = next((b for b in peer_run or [] if matches(a, s, b, a.peer)), None)
+                peer_run = current_run(a.peer)
+                other = next((b for b in peer_run if matches(a, s, b, a.peer)), None)
                 if other is not None and other.microbatch == a.microbatch:
                     out[s].append(a)
                     out[a.peer].append(other)
                     run.remove(a)
                     peer_run.remove(other)
-                    _finish_if_done(a.peer)
+                    leave_run_if_done(a.peer)
             if run:
                 return
-            runs[s] = None
-            pos[s] += 1
-
-    def _finish_if_done(s):
-        if runs[s] == []:
-            runs[s] = None
-            pos[s] += 1
+            leave_run_if_done(s)
 
     while True:
         before = list(pos), [len(o) for o in out]
-        for s in range(len(compute)):
+        for s in stages:
             advance(s)
-        if all(pos[s] == len(segments[s]) for s in range(len(compute))):
+        if all(pos[s] == len(segments[s]) for s in stages):
             return out
         if before == (list(pos), [len(o) for o in out]):
-            stuck = {s: segments[s][pos[s]] for s in range(len(compute)) if pos[s] < len(segments[s])}
+            stuck = {s: segments[s][pos[s]] for s in stages if pos[s] < len(segments[s])}
             raise RuntimeError(f"compute orders cannot be connected without deadlock: {stuck}")
