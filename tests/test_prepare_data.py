@@ -143,7 +143,8 @@ def test_split_is_by_whole_documents_and_follows_the_seed():
 def test_failed_download_says_to_use_input(tmp_path):
     env = dict(os.environ, PIP_INDEX_URL="http://127.0.0.1:9/", PIP_CONFIG_FILE=os.devnull,
                XDG_CACHE_HOME=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "megatron_async.data.prepare", "--out", str(tmp_path / "out")],
+    cli = "import sys; from megatron_async.data.prepare import main; sys.exit(main())"  # the console script
+    proc = subprocess.run([sys.executable, "-c", cli, "--out", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
