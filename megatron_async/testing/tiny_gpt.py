@@ -8,6 +8,7 @@ different layouts see the same global batches and can be compared.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -45,7 +46,9 @@ class TinyGPT:
     lr: float = 1e-2
     clip_grad: float = 1.0
     seed: int = 1234
-    schedule: Optional[str] = None  # default: no-pipelining for PP=1, 1f1b otherwise
+    schedule: Optional[str] = None  # default: no-pipelining for PP=1, 1f1b otherwise; or "2bw"
+    simulated_delay: int = 0  # K > 0: gradients at the weights of K steps ago (PP=1 reference for 2bw)
+    init_by_name: bool = False  # layout-independent init, so different PP/TP layouts start equal
     extra_optimizer_config: dict = field(default_factory=dict)
 
     def dp(self, world_size: int) -> int:
@@ -93,6 +96,8 @@ def build(spec: TinyGPT):
         use_distributed_optimizer=spec.use_distributed_optimizer,
     )
     model = wrap_ddp(chunks, config, ddp_config)
+    if spec.init_by_name:
+        init_by_global_name(model, spec)
     opt_config = OptimizerConfig(
         optimizer=spec.optimizer,
         lr=spec.lr,
@@ -104,6 +109,38 @@ def build(spec: TinyGPT):
     optimizer = get_megatron_optimizer(opt_config, model)
     attach_schedule_hooks(config, model, optimizer)
     return model, optimizer, config
+
+
+def global_param_name(name: str, spec: TinyGPT) -> str:
+    """`decoder.layers.<local>` renamed to the global layer index of this pipeline stage."""
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers") + 1
+        parts[i] = str(int(parts[i]) + parallel_state.get_pipeline_model_parallel_rank() * (spec.num_layers // spec.pp))
+    return ".".join(parts)
+
+
+@torch.no_grad()
+def init_by_global_name(model, spec: TinyGPT) -> None:
+    """Every weight drawn from a generator seeded by its global name, then TP-sharded."""
+    import zlib
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for chunk in model:
+        for name, param in chunk.module.named_parameters():
+            gname = global_param_name(name, spec)
+            sharded = tp > 1 and getattr(param, "tensor_model_parallel", False)
+            shape = list(param.shape)
+            if sharded:
+                shape[param.partition_dim] *= tp
+            gen = torch.Generator().manual_seed(spec.seed + zlib.crc32(gname.encode()))
+            full = torch.randn(shape, generator=gen) * 0.05
+            if "layernorm" in gname and gname.endswith("weight"):
+                full += 1.0
+            if sharded:
+                full = full.chunk(tp, dim=param.partition_dim)[tp_rank]
+            param.data.copy_(full)
 
 
 def global_batch(spec: TinyGPT, iteration: int) -> torch.Tensor:
@@ -133,7 +170,21 @@ def microbatches(spec: TinyGPT, iteration: int) -> Iterator[dict]:
         yield {"tokens": chunk[:, :-1].contiguous(), "labels": chunk[:, 1:].contiguous()}
 
 
-def full_named_params(model) -> dict[str, torch.Tensor]:
+def microbatch_getter(spec: TinyGPT, num_microbatches: int):
+    """get(k) -> microbatch k (batch k // m, position k % m) of this data-parallel rank."""
+    cache: dict[int, list] = {}
+
+    def get(k: int) -> dict:
+        batch = k // num_microbatches
+        if batch not in cache:
+            cache.clear()
+            cache[batch] = list(microbatches(spec, batch))
+        return cache[batch][k % num_microbatches]
+
+    return get
+
+
+def full_named_params(model, spec: Optional[TinyGPT] = None) -> dict[str, torch.Tensor]:
     """This stage's parameters with tensor-parallel shards gathered, by name (cloned)."""
     out = {}
     group = parallel_state.get_tensor_model_parallel_group()
@@ -145,46 +196,81 @@ def full_named_params(model) -> dict[str, torch.Tensor]:
                 parts = [torch.empty_like(data) for _ in range(tp)]
                 dist.all_gather(parts, data.contiguous(), group=group)
                 data = torch.cat(parts, dim=param.partition_dim)
-            out[f"{index}.{name}"] = data
+            key = global_param_name(name, spec) if spec is not None else f"{index}.{name}"
+            out[key] = data
     return out
+
+
+def _dp_mean(loss: Optional[float]) -> Optional[float]:
+    if loss is None:
+        return None
+    t = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t.item() / parallel_state.get_data_parallel_world_size()
+
+
+def _grads_present(model) -> bool:
+    return all(
+        p.main_grad is not None and bool(torch.isfinite(p.main_grad).all()) and float(p.main_grad.abs().sum()) > 0
+        for chunk in model for p in chunk.parameters() if p.requires_grad
+    )
 
 
 def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[str, Any]:
     """Train `iterations` steps; return losses (last stage), grad flags and final weights."""
+    from megatron_async.pipeline.grad_stats import make_stage_local
+    from megatron_async.pipeline.two_bw import TwoBWRunner
+    from megatron_async.weight_stash import WeightStashManager
+
     model, optimizer, config = build(spec)
     schedule = spec.schedule or ("1f1b" if spec.pp > 1 else "no-pipelining")
-    forward_backward = get_forward_backward_func(schedule)
     num_micro = spec.num_microbatches(world_size)
-    losses, grads_present = [], []
+    losses, grads_present, extra = [], [], {}
+    if schedule == "2bw":
+        make_stage_local(optimizer, spec.use_distributed_optimizer)
+        runner = TwoBWRunner(
+            model, optimizer, num_micro, iterations,
+            activation_shape=(spec.seq_length, spec.micro_batch_size, spec.hidden_size),
+            dtype=torch.float32, forward_step_func=gpt_forward_step,
+            get_microbatch=microbatch_getter(spec, num_micro),
+        )
+        for iteration in range(iterations):
+            reports, (update_ok, _norm, _) = runner.train_step(iteration)
+            assert update_ok, f"optimizer step {iteration} was skipped"
+            losses.append(_dp_mean(reduce_lm_loss(reports)))
+            grads_present.append(True)
+        runner.finish()
+        extra["weight_buffers"] = runner.stash.num_weight_buffers()
+        extra["stash_bytes"] = runner.stash.stash_bytes()
+        extra["live_bytes"] = runner.stash.live_bytes()
+        return _result(spec, model, losses, grads_present, rank, extra)
+
+    forward_backward = get_forward_backward_func(schedule)
+    stash = WeightStashManager(model, depth=spec.simulated_delay) if spec.simulated_delay else None
     for iteration in range(iterations):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reduced = forward_backward(
-            forward_step_func=gpt_forward_step,
-            data_iterator=microbatches(spec, iteration),
-            model=model,
-            num_microbatches=num_micro,
-            seq_length=spec.seq_length,
-            micro_batch_size=spec.micro_batch_size,
-            forward_only=False,
-        )
-        grads_present.append(
-            all(
-                p.main_grad is not None and bool(torch.isfinite(p.main_grad).all())
-                and float(p.main_grad.abs().sum()) > 0
-                for chunk in model for p in chunk.parameters() if p.requires_grad
+        version = max(iteration - spec.simulated_delay, 0)
+        with (stash.use(version) if stash else contextlib.nullcontext()):
+            reduced = forward_backward(
+                forward_step_func=gpt_forward_step,
+                data_iterator=microbatches(spec, iteration),
+                model=model,
+                num_microbatches=num_micro,
+                seq_length=spec.seq_length,
+                micro_batch_size=spec.micro_batch_size,
+                forward_only=False,
             )
-        )
-        update_ok, grad_norm, _ = optimizer.step()
+        grads_present.append(_grads_present(model))
+        with (stash.optimizer_step() if stash else contextlib.nullcontext()):
+            update_ok, grad_norm, _ = optimizer.step()
         assert update_ok, f"optimizer step {iteration} was skipped"
-        loss = reduce_lm_loss(reduced)
-        if loss is not None:
-            # average over data-parallel replicas only (never across pipeline stages)
-            t = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-            loss = t.item() / parallel_state.get_data_parallel_world_size()
-        losses.append(loss)
+        losses.append(_dp_mean(reduce_lm_loss(reduced)))
+    return _result(spec, model, losses, grads_present, rank, extra)
+
+
+def _result(spec, model, losses, grads_present, rank, extra) -> dict[str, Any]:
     return {
         "rank": rank,
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
@@ -192,8 +278,9 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
         "dp_rank": parallel_state.get_data_parallel_rank(),
         "losses": losses,
         "grads_present": grads_present,
-        "params": full_named_params(model),
+        "params": full_named_params(model, spec if spec.init_by_name else None),
         "spec": dataclasses.asdict(spec),
+        **extra,
     }
 
 

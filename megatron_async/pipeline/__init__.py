@@ -1,0 +1,1 @@
+"""Runtime for asynchronous pipeline schedules: executor, point-to-point links, stage-local gradient statistics."""

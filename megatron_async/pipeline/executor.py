@@ -1,0 +1,147 @@
+"""Executes one stage's action list (from a schedule generator) on a Megatron model.
+
+The executor is a loop over actions: Forward/Backward run the stage's module at the
+action's weight version (through the WeightStashManager), OptimizerStep finishes
+the stage's data-parallel gradient sync and steps its optimizer, and runs of
+communication actions are posted together over point-to-point links. Pipeline
+state (activations in flight, pending sends) persists between training steps:
+`train_step(t)` runs actions up to this stage's OptimizerStep(t) and stops, so the
+next batch's warm-up forwards that precede it have already run.
+
+Nothing here communicates across pipeline stages except the point-to-point
+transfers the schedule lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+from megatron.core.utils import get_attr_wrapped_model
+
+from megatron_async.pipeline.p2p import StageLinks, complete_sends, post_run
+from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, is_comm
+from megatron_async.weight_stash import WeightStashManager
+
+
+class StageExecutor:
+    """Runs a stage's actions for a whole training run, one optimizer step at a time."""
+
+    def __init__(
+        self,
+        model,
+        actions: list,
+        links: StageLinks,
+        stash: WeightStashManager,
+        forward_step_func: Callable,
+        get_microbatch: Callable[[int], dict],
+        step_func: Callable[[], tuple],
+        num_microbatches: int,
+        activation_shape: tuple,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.model = model
+        self.actions = actions
+        self.links = links
+        self.stash = stash
+        self.forward_step_func = forward_step_func
+        self.get_microbatch = get_microbatch
+        self.step_func = step_func
+        self.m = num_microbatches
+        self.shape = activation_shape
+        self.dtype = dtype
+        self.device = device
+        self.pos = 0
+        self.is_first = links.stage == 0
+        self.is_last = links.stage == links.num_stages - 1
+        self._set_input = get_attr_wrapped_model(model, "set_input_tensor")
+        self._received: dict = {}
+        self._outgoing: dict = {}
+        self._inflight: dict = {}  # microbatch -> (input tensor, output tensor or loss)
+        self._reports: dict = {}  # batch -> list of loss reports
+        self._pending_sends: list = []
+
+    # --- compute ---------------------------------------------------------------
+    def _forward(self, action: Forward) -> None:
+        k = action.microbatch
+        input_tensor = None
+        if not self.is_first:
+            input_tensor = self._received.pop(("act", k)).requires_grad_()
+        self._set_input(input_tensor)
+        batch = self.get_microbatch(k)
+        with self.stash.use(action.version):
+            output, loss_func = self.forward_step_func(iter([batch]), self.model)
+            if self.is_last:
+                loss_sum, num_tokens, report = loss_func(output)
+                # Megatron's normalisation: mean over the microbatch's tokens, then
+                # over the batch's microbatches.
+                output = loss_sum / torch.clamp(num_tokens, min=1) / self.m
+                self._reports.setdefault(k // self.m, []).append(report)
+            else:
+                self._outgoing[("act", k)] = output.detach()
+        self._inflight[k] = (input_tensor, output)
+
+    def _backward(self, action: Backward) -> None:
+        k = action.microbatch
+        input_tensor, output = self._inflight.pop(k)
+        grad = None if self.is_last else self._received.pop(("grad", k))
+        last_of_batch = k % self.m == self.m - 1
+        # DDP reduces gradients only after the batch's last backward.
+        sync = contextlib.nullcontext() if last_of_batch else self.model.no_sync()
+        with sync, self.stash.use(action.version):
+            torch.autograd.backward(output, grad_tensors=grad)
+        if not self.is_first:
+            self._outgoing[("grad", k)] = input_tensor.grad
+
+    def _optimizer_step(self, action: OptimizerStep):
+        self.model.finish_grad_sync()
+        with self.stash.optimizer_step():
+            result = self.step_func()
+        self.model.zero_grad_buffer()
+        return result
+
+    # --- driver ----------------------------------------------------------------
+    def _run_until(self, stop: Optional[int]) -> Optional[tuple]:
+        """Run actions until OptimizerStep(stop) has run (or to the end if stop is None)."""
+        actions = self.actions
+        while self.pos < len(actions):
+            action = actions[self.pos]
+            if is_comm(action):
+                end = self.pos
+                while end < len(actions) and is_comm(actions[end]):
+                    end += 1
+                received, sends = post_run(
+                    actions[self.pos:end], self.links, self._outgoing, self.shape, self.dtype, self.device
+                )
+                self._received.update(received)
+                self._pending_sends = complete_sends(self._pending_sends + sends)
+                self.pos = end
+                continue
+            self.pos += 1
+            if isinstance(action, Forward):
+                self._forward(action)
+            elif isinstance(action, Backward):
+                self._backward(action)
+            elif isinstance(action, OptimizerStep):
+                result = self._optimizer_step(action)
+                if stop is not None and action.step == stop:
+                    return result
+        return None
+
+    def train_step(self, step: int) -> tuple[list, tuple]:
+        """Run up to and including this stage's optimizer step `step`.
+
+        Returns (loss reports of batch `step` on the last stage, optimizer result).
+        """
+        result = self._run_until(step)
+        if result is None:
+            raise RuntimeError(f"stage {self.links.stage}: no OptimizerStep({step}) left in its schedule")
+        return self._reports.pop(step, []), result
+
+    def finish(self) -> None:
+        """Run what is left (trailing sends) so neighbours are not left waiting."""
+        self._run_until(None)
+        self._pending_sends = complete_sends(self._pending_sends, wait=True)
+

@@ -1,0 +1,103 @@
+"""Point-to-point transfers between neighbouring pipeline stages.
+
+The schedule's executor contract: communication actions with no compute action
+between them form a run; a run is posted together (isend/irecv) and its receives
+complete before the next compute action. Messages between two stages match in posting
+order, so no tags are needed. Each channel (training, evaluation) uses its own
+process group, so an evaluation pass can run while training microbatches are in
+flight without their messages mixing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_async.schedules.actions import RecvActivation, SendActivation, SendGrad
+
+
+@dataclass
+class StageLinks:
+    """Global ranks of this stage's neighbours and the group used to reach them."""
+
+    stage: int
+    num_stages: int
+    prev_rank: Optional[int]
+    next_rank: Optional[int]
+    group: Optional[dist.ProcessGroup]
+
+    def peer_rank(self, peer_stage: int) -> int:
+        if peer_stage == self.stage - 1 and self.prev_rank is not None:
+            return self.prev_rank
+        if peer_stage == self.stage + 1 and self.next_rank is not None:
+            return self.next_rank
+        raise ValueError(f"stage {self.stage} has no neighbour stage {peer_stage}")
+
+
+def stage_links(group: Optional[dist.ProcessGroup] = None) -> StageLinks:
+    """Links over Megatron's pipeline group (or a duplicate of it, for another channel)."""
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    size = parallel_state.get_pipeline_model_parallel_world_size()
+    return StageLinks(
+        stage=stage,
+        num_stages=size,
+        prev_rank=parallel_state.get_pipeline_model_parallel_prev_rank() if stage > 0 else None,
+        next_rank=parallel_state.get_pipeline_model_parallel_next_rank() if stage < size - 1 else None,
+        group=group if group is not None else parallel_state.get_pipeline_model_parallel_group(),
+    )
+
+
+def duplicate_pipeline_group() -> dist.ProcessGroup:
+    """A second group over each pipeline's ranks (collective: every rank must call it)."""
+    mine = None
+    for ranks in _all_pipeline_groups():
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _all_pipeline_groups() -> list[list[int]]:
+    """Every pipeline's global ranks, identical on all ranks (gathered once at setup)."""
+    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return sorted({tuple(r) for r in gathered})
+
+
+def post_run(run, links: StageLinks, outgoing: dict, shape, dtype, device) -> tuple[dict, list]:
+    """Post one run of comm actions and wait for its receives.
+
+    Sends are not waited for: a stage never blocks on a neighbour taking its data
+    (gloo's send otherwise waits for the matching receive), only on data it needs.
+    `outgoing` maps (kind, microbatch) to the tensor a send transmits. Returns the
+    received tensors by (kind, microbatch) and the pending sends as (work, tensor).
+    """
+    receives, sends, received = [], [], {}
+    for action in run:
+        peer = links.peer_rank(action.peer)
+        if isinstance(action, (SendActivation, SendGrad)):
+            kind = "act" if isinstance(action, SendActivation) else "grad"
+            tensor = outgoing.pop((kind, action.microbatch)).contiguous()
+            sends.append((dist.isend(tensor, peer, group=links.group), tensor))
+        else:
+            kind = "act" if isinstance(action, RecvActivation) else "grad"
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            receives.append(dist.irecv(buf, peer, group=links.group))
+            received[(kind, action.microbatch)] = buf
+    for work in receives:
+        work.wait()
+    return received, sends
+
+
+def complete_sends(pending: list, wait: bool = False) -> list:
+    """Drop finished sends (or wait for all); returns those still in flight."""
+    if wait:
+        for work, _tensor in pending:
+            work.wait()
+        return []
+    return [(work, tensor) for work, tensor in pending if not work.is_completed()]

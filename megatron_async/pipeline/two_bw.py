@@ -1,0 +1,127 @@
+"""PipeDream-2BW on a Megatron model: the `2bw` schedule's runtime.
+
+Builds this stage's action list from the registered `2bw` generator, the weight
+stash (two versions), point-to-point links and the executor, and exposes the
+trainer's interface: `train_step(t)`, `evaluate(...)`, `finish()`.
+
+Resuming at batch t starts a fresh warm-up whose microbatches carry their absolute
+indices and versions (batch b uses version max(b-1, 0)): batch t runs at the
+stashed version t-1 restored from the checkpoint, exactly as the uninterrupted run
+did, so the trajectories are equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_async.pipeline.executor import StageExecutor
+from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
+from megatron_async.schedules.actions import Backward, Forward, OptimizerStep
+from megatron_async.schedules.registry import get_schedule_generator
+from megatron_async.weight_stash import WeightStashManager
+
+
+def shift_actions(actions: list, start_batch: int, m: int) -> list:
+    """Relabel a schedule generated for batches 0.. as batches start_batch.. ."""
+    if start_batch == 0:
+        return list(actions)
+    offset = start_batch * m
+    shifted = []
+    for a in actions:
+        if isinstance(a, (Forward, Backward)):
+            k = a.microbatch + offset
+            shifted.append(type(a)(k, max(k // m - 1, 0)))
+        elif isinstance(a, OptimizerStep):
+            shifted.append(OptimizerStep(a.step + start_batch))
+        else:  # communication
+            shifted.append(dataclasses.replace(a, microbatch=a.microbatch + offset))
+    return shifted
+
+
+class TwoBWRunner:
+    """The 2BW pipeline of one stage, for a run of `num_batches` optimizer steps."""
+
+    def __init__(
+        self,
+        model: list,
+        optimizer,
+        num_microbatches: int,
+        num_batches: int,
+        activation_shape: tuple,
+        dtype: torch.dtype,
+        forward_step_func: Callable,
+        get_microbatch: Callable[[int], dict],
+        start_batch: int = 0,
+        stash: WeightStashManager | None = None,
+    ):
+        if len(model) != 1:
+            raise ValueError("2bw runs one model chunk per stage (no virtual pipeline stages)")
+        self.model = model[0]
+        self.optimizer = optimizer
+        self.m = num_microbatches
+        self.shape = activation_shape
+        self.dtype = dtype
+        self.forward_step_func = forward_step_func
+        self.device = next(self.model.parameters()).device
+        p = parallel_state.get_pipeline_model_parallel_world_size()
+        self.links = stage_links()
+        self.eval_links = stage_links(duplicate_pipeline_group())
+        schedule = get_schedule_generator("2bw")(p, num_microbatches, num_batches - start_batch)
+        actions = shift_actions(schedule[self.links.stage], start_batch, num_microbatches)
+        self.stash = stash or WeightStashManager(model, depth=1)
+        self.executor = StageExecutor(
+            self.model, actions, self.links, self.stash, forward_step_func, get_microbatch,
+            step_func=self._step, num_microbatches=num_microbatches,
+            activation_shape=activation_shape, dtype=dtype, device=self.device,
+        )
+
+    def _step(self):
+        result = self.optimizer.step()
+        # Megatron's optimizer aliases param.grad to DDP's main_grad during the step;
+        # clear it, or the next backward would accumulate into main_grad twice.
+        self.optimizer.zero_grad()
+        return result
+
+    def train_step(self, step: int):
+        """(loss reports of batch `step` on the last stage, (update_ok, grad_norm, zeros))."""
+        return self.executor.train_step(step)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict]) -> list:
+        """Forward-only pass over `microbatches` at the newest weights; loss reports on the last stage.
+
+        Uses its own process group, so it can run between two training steps while
+        training activations are still in flight.
+        """
+        from megatron.core.utils import get_attr_wrapped_model
+
+        links = self.eval_links
+        first, last = links.stage == 0, links.stage == links.num_stages - 1
+        set_input = get_attr_wrapped_model(self.model, "set_input_tensor")
+        self.stash.point_to(self.stash.newest)
+        self.model.eval()
+        reports, sends = [], []
+        for batch in microbatches:
+            input_tensor = None
+            if not first:
+                input_tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                torch.distributed.recv(input_tensor, links.prev_rank, group=links.group)
+            set_input(input_tensor)
+            output, loss_func = self.forward_step_func(iter([batch]), self.model)
+            if last:
+                reports.append(loss_func(output)[2])
+            else:
+                out = output.contiguous()
+                sends.append((torch.distributed.isend(out, links.next_rank, group=links.group), out))
+        for work, _ in sends:
+            work.wait()
+        self.model.train()
+        return reports
+
+    def finish(self) -> None:
+        self.executor.finish()
+

@@ -1,0 +1,165 @@
+"""Weight versions for delayed-gradient training: the live weights plus a stash.
+
+PipeDream-2BW keeps exactly two versions per stage: the newest weights W(t), which
+the optimizer owns and updates in place (Megatron DDP's parameter storage), and the
+previous version W(t-1), still used by microbatches that started before the last
+step. `depth` stashed versions generalise this to a simulated delay of `depth`
+steps (depth=1 is 2BW).
+
+- The stash is flat buffers laid out exactly like Megatron DDP's parameter buffers
+  (one per DDP buffer, same offsets), so saving a version is one copy per buffer.
+- Running a microbatch at version v repoints every `param.data` to v's storage (no
+  copies). Tensors autograd saves for the backward that are parameters, or views
+  of them (a matmul saves `weight.t()`), are recorded as (param, version, view)
+  and rebuilt from that version's storage when the backward unpacks them, so a
+  backward always sees the weights of its own forward, even after an optimizer
+  step changed the live weights in between, and in-place updates never trip
+  autograd's version checks.
+- Before a step, the live weights are copied into the slot of the oldest version
+  (which no microbatch needs any more); the step then updates the live weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+class WeightStashManager:
+    """The live version plus `depth` stashed versions of one stage's parameters."""
+
+    def __init__(self, model_chunks, depth: int = 1):
+        if depth < 1:
+            raise ValueError("a weight stash needs depth >= 1 (depth 0 is plain training)")
+        self.depth = depth
+        self.newest = 0  # version held by the live weights
+        self.params: list[torch.nn.Parameter] = []
+        self._live: list[torch.Tensor] = []  # each param's live storage (DDP's views)
+        self._slots: list[list[torch.Tensor]] = [[] for _ in range(depth)]  # flat buffers per slot
+        self._slot_views: list[list[torch.Tensor]] = [[] for _ in range(depth)]
+        self._slot_version: list[int] = [0] * depth
+        self._index = {}
+        for chunk in model_chunks:
+            for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+                self._add_buffer(buffer)
+        self._pointed = self.newest
+        self.copy_live_into_stash(all_slots=True)
+
+    def _add_buffer(self, buffer) -> None:
+        dtype = buffer.param_dtype
+        numel = buffer.numel
+        flats = [torch.zeros(numel, dtype=dtype, device=buffer.grad_data.device) for _ in range(self.depth)]
+        for slot, flat in enumerate(flats):
+            self._slots[slot].append(flat)
+        for param, (start, end, _bucket) in buffer.param_index_map.items():
+            self._index[id(param)] = len(self.params)
+            self.params.append(param)
+            self._live.append(param.data)
+            for slot, flat in enumerate(flats):
+                self._slot_views[slot].append(flat[start:end].view(param.data.shape))
+
+    # --- versions -------------------------------------------------------------
+    def _storage(self, version: int) -> list[torch.Tensor]:
+        if version == self.newest:
+            return self._live
+        for slot, held in enumerate(self._slot_version):
+            if held == version:
+                return self._slot_views[slot]
+        raise RuntimeError(
+            f"weight version {version} is not held (newest {self.newest}, stash {sorted(set(self._slot_version))})"
+        )
+
+    def point_to(self, version: int) -> None:
+        """Make every parameter's data the weights of `version`."""
+        if version == self._pointed:
+            return
+        for param, data in zip(self.params, self._storage(version)):
+            param.data = data
+        self._pointed = version
+
+    def versions_held(self) -> list[int]:
+        return sorted({self.newest, *self._slot_version})
+
+    @contextlib.contextmanager
+    def use(self, version: int) -> Iterator[None]:
+        """Run a forward at `version`; its backward will see the same weights."""
+        self.point_to(version)
+        index = self._index
+
+        def pack(tensor):
+            i = index.get(id(tensor))
+            if i is not None and tensor is self.params[i]:
+                return (i, version, None)
+            # Views of a parameter (e.g. the `weight.t()` a matmul saves) alias the
+            # storage of the version in use now; record how to rebuild them.
+            base = tensor._base
+            if base is not None:
+                i = index.get(id(base))
+                if i is not None and base is self.params[i]:
+                    offset = tensor.storage_offset() - base.storage_offset()
+                    return (i, version, (tensor.size(), tensor.stride(), offset))
+            return tensor
+
+        def unpack(saved):
+            if not isinstance(saved, tuple):
+                return saved
+            i, v, view = saved
+            self.point_to(v)
+            param = self.params[i]
+            if view is None:
+                return param
+            size, stride, offset = view
+            data = param.data
+            return data.as_strided(size, stride, data.storage_offset() + offset)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    # --- optimizer step -------------------------------------------------------
+    @torch.no_grad()
+    def copy_live_into_stash(self, all_slots: bool = False) -> None:
+        """Save the live weights (version `newest`) over the oldest stashed version."""
+        slots = range(self.depth) if all_slots else [min(range(self.depth), key=self._slot_version.__getitem__)]
+        for slot in slots:
+            for dst, src in zip(self._slot_views[slot], self._live):
+                dst.copy_(src)
+            self._slot_version[slot] = self.newest
+
+    @contextlib.contextmanager
+    def optimizer_step(self) -> Iterator[None]:
+        """Wrap the optimizer step: stash the live version, step on it, bump `newest`."""
+        self.copy_live_into_stash()
+        self.point_to(self.newest)
+        yield
+        self.newest += 1
+        self._pointed = self.newest
+
+    # --- accounting and checkpoints --------------------------------------------
+    def num_weight_buffers(self) -> int:
+        """Distinct weight versions in memory: the live one plus the stash slots."""
+        return 1 + self.depth
+
+    def stash_bytes(self) -> int:
+        return sum(flat.numel() * flat.element_size() for slot in self._slots for flat in slot)
+
+    def live_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._live)
+
+    def state_dict(self) -> dict:
+        return {
+            "newest": self.newest,
+            "slot_version": list(self._slot_version),
+            "slots": [[flat.clone() for flat in slot] for slot in self._slots],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.newest = state["newest"]
+        self._slot_version = list(state["slot_version"])
+        for slot, flats in zip(self._slots, state["slots"]):
+            for dst, src in zip(slot, flats):
+                dst.copy_(src)
+        self._pointed = None
+        self.point_to(self.newest)
