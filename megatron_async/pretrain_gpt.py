@@ -90,6 +90,13 @@ def _train(args, device: str) -> int:
     optimizer, scheduler = build_optimizer(args, model)
     attach_schedule_hooks(config, model, optimizer)
     train_ds, valid_ds = build_datasets(args, tokenizer)
+    stash = None
+    if args.pipeline_schedule == "2bw" or args.simulated_delay:
+        from megatron_async.pipeline.grad_stats import make_stage_local
+        from megatron_async.weight_stash import WeightStashManager
+
+        make_stage_local(optimizer, args.use_distributed_optimizer)
+        stash = WeightStashManager(model, depth=max(args.simulated_delay, 1))
 
     logging_rank = is_logging_rank()
     if _rank() == 0:
@@ -107,9 +114,11 @@ def _train(args, device: str) -> int:
         tokens_per_iter=args.global_batch_size * args.seq_length,
         metrics_path=args.metrics_json,
     )
-    checkpointer = Checkpointer(args, model, optimizer, scheduler) if (args.save or args.load) else None
+    extra = {"weight_stash": stash} if stash is not None else {}
+    checkpointer = Checkpointer(args, model, optimizer, scheduler, extra) if (args.save or args.load) else None
     start = checkpointer.load() if (checkpointer and args.load) else 0
-    trainer = Trainer(args, model, config, optimizer, scheduler, train_ds, valid_ds, run_log, checkpointer)
+    trainer = Trainer(args, model, config, optimizer, scheduler, train_ds, valid_ds, run_log, checkpointer,
+                      stash=stash, start_iteration=start)
     last_val = trainer.run(start_iteration=start)
     if checkpointer and args.save and start < args.train_iters and (
         not args.save_interval or args.train_iters % args.save_interval

@@ -33,6 +33,7 @@ register_schedule(
     "2bw",
     description="PipeDream-2BW: 1F1B without flush, two weight versions, constant one-step delay",
     generator=_GEN + "two_bw",
+    runtime="megatron_async.pipeline.two_bw:TwoBWRunner",
     requires_pipeline=True,
     asynchronous=True,
 )

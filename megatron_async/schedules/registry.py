@@ -21,6 +21,7 @@ class ScheduleSpec:
     description: str = ""
     forward_backward_func: FuncRef = None  # Megatron signature: (*, forward_step_func, data_iterator, model, ...)
     generator: FuncRef = None  # (num_stages, num_microbatches, num_batches) -> per-stage action lists
+    runtime: FuncRef = None  # a persistent pipeline runner class (asynchronous schedules such as 2bw)
     requires_pipeline: bool = False  # True: only meaningful with PP > 1
     asynchronous: bool = False  # True: weights are updated without a pipeline flush (delayed gradients)
 
@@ -65,6 +66,21 @@ def get_forward_backward_func(name: str) -> Callable:
     if func is None:
         raise ValueError(f"pipeline schedule {name!r} has no runtime; it can only be simulated")
     return func
+
+
+def get_runtime(name: str) -> Callable:
+    """The persistent runner class of an asynchronous schedule (e.g. `2bw`)."""
+    spec = get_schedule(name)
+    runtime = _resolve(spec.runtime)
+    if runtime is None:
+        raise ValueError(f"pipeline schedule {name!r} has no persistent runtime")
+    return runtime
+
+
+def is_runnable(name: str) -> bool:
+    """True if the trainer can run `name` (a Megatron function or our runtime)."""
+    spec = get_schedule(name)
+    return spec.forward_backward_func is not None or spec.runtime is not None
 
 
 def get_schedule_generator(name: str) -> Callable:

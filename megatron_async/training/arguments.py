@@ -58,6 +58,8 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="normalise by tokens over the whole batch (refused with 2bw: needs a cross-stage reduction)")
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
@@ -96,6 +98,12 @@ def _add_ours(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("megatron-async")
     g.add_argument("--pipeline-schedule", default=None, help="registered schedule; default 1f1b with PP>1")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--simulated-delay", type=int, default=0, metavar="K",
+                   help="compute the gradient of step t at the weights of step max(t-K, 0) (PP=1); "
+                        "K=1 is 2bw's rule, the reference 2bw must equal")
+    g.add_argument("--clip-grad-mode", default="stage-local", choices=["stage-local", "stale-global"],
+                   help="2bw/simulated delay: clip by each pipeline stage's own gradient norm, or by the "
+                        "previous step's global norm (gathered without blocking)")
     g.add_argument("--metrics-json", default=None, help="append one JSON object per iteration/evaluation")
     g.add_argument("--plot", default=None, help="PNG of train/validation loss, written at the end")
 
@@ -122,7 +130,7 @@ def _require(condition: bool, message: str) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check flags against each other and the world size; fill derived defaults."""
-    from megatron_async.schedules.registry import available_schedules
+    from megatron_async.schedules.registry import available_schedules, is_runnable
 
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
@@ -162,7 +170,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                  f"--num-experts ({args.num_experts}) is not divisible by --expert-model-parallel-size ({ep})")
     else:
         _require(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
-    _require(not args.fp16, "--fp16 is not supported (fp16 loss scaling); use --bf16")
+    _require(not args.fp16, "--fp16 is not supported: its loss scaling skips steps with a global "
+                            "inf/nan check across stages; use --bf16")
 
     if args.pipeline_schedule is None:
         if pp == 1:
@@ -172,7 +181,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     names = available_schedules()
     _require(args.pipeline_schedule in names,
              f"--pipeline-schedule {args.pipeline_schedule!r} is not registered; choose one of: {', '.join(names)}")
+    runnable = [n for n in names if is_runnable(n)]
+    _require(args.pipeline_schedule in runnable,
+             f"--pipeline-schedule {args.pipeline_schedule!r} can only be simulated (megatron-async-simulate); "
+             f"the trainer runs: {', '.join(runnable)}")
 
+    _check_async_args(args)
     _check_optimizer_name(args.optimizer)
     _check_data_args(args)
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
@@ -190,6 +204,36 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.load is not None:
         _require(os.path.isdir(args.load), f"--load {args.load}: no such checkpoint directory")
     return args
+
+
+def _check_async_args(args: argparse.Namespace) -> None:
+    """Flags that an asynchronous schedule (2bw) or a simulated delay cannot honour."""
+    from megatron_async.schedules.gen_2bw import min_microbatches_2bw
+
+    pp = args.pipeline_model_parallel_size
+    _require(args.simulated_delay >= 0, f"--simulated-delay must be >= 0 (got {args.simulated_delay})")
+    if args.simulated_delay:
+        _require(pp == 1, "--simulated-delay models 2bw's delay without pipelining: it needs "
+                          f"--pipeline-model-parallel-size 1 (got {pp}); use --pipeline-schedule 2bw with PP > 1")
+    if args.pipeline_schedule != "2bw" and not args.simulated_delay:
+        return
+    what = "--pipeline-schedule 2bw" if args.pipeline_schedule == "2bw" else "--simulated-delay"
+    if args.pipeline_schedule == "2bw":
+        _require(args.simulated_delay == 0, "--simulated-delay cannot be combined with --pipeline-schedule 2bw")
+        bound = min_microbatches_2bw(pp)
+        _require(args.num_microbatches >= bound,
+                 f"--pipeline-schedule 2bw with {pp} stages needs at least {bound} microbatches per batch "
+                 f"(--global-batch-size / (--micro-batch-size x data-parallel size) = {args.num_microbatches})")
+        _require(not args.virtual_pipeline_model_parallel_size,
+                 "--pipeline-schedule 2bw does not support --num-layers-per-virtual-pipeline-stage")
+        _require(pp == 1 or args.untie_embeddings_and_output_weights,
+                 "--pipeline-schedule 2bw needs --untie-embeddings-and-output-weights: tied input/output "
+                 "embeddings on different stages need a cross-stage gradient all-reduce at every step")
+    _require(not args.calculate_per_token_loss,
+             f"{what} does not support --calculate-per-token-loss: the batch token count would be "
+             "broadcast across pipeline stages at every step")
+    _require(args.expert_model_parallel_size == 1,
+             f"{what} does not support --expert-model-parallel-size > 1 yet")
 
 
 def _check_optimizer_name(name: str) -> None:

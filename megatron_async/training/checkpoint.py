@@ -48,13 +48,13 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _rng_sharded_object(state) -> ShardedObject:
-    """One RNG record per (PP, TP, DP) rank: each rank restores exactly its own."""
+def _per_rank_object(key: str, state) -> ShardedObject:
+    """One record per (PP, TP, DP) rank (RNG states, weight stash): each rank restores its own."""
     pp = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size())
     tp = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
     dp = (parallel_state.get_data_parallel_rank(with_context_parallel=True),
           parallel_state.get_data_parallel_world_size(with_context_parallel=True))
-    return ShardedObject("rng_state", state, (pp[1], tp[1], dp[1]), (pp[0], tp[0], dp[0]), replica_id=0)
+    return ShardedObject(key, state, (pp[1], tp[1], dp[1]), (pp[0], tp[0], dp[0]), replica_id=0)
 
 
 class Checkpointer:
@@ -65,7 +65,7 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        # objects with sharded_state_dict()/load_sharded(state) (e.g. the 2BW weight stash)
+        # per-rank objects with state_dict()/load_state_dict() (e.g. the 2BW weight stash)
         self.extra_state = extra_state or {}
 
     def _modules(self) -> list:
@@ -88,9 +88,9 @@ class Checkpointer:
         state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
         state["scheduler"] = self.scheduler.state_dict()
         state["iteration"] = iteration
-        state["rng_state"] = _rng_sharded_object(_rng_state())
+        state["rng_state"] = _per_rank_object("rng_state", _rng_state())
         for name, obj in self.extra_state.items():
-            state[name] = obj.sharded_state_dict()
+            state[name] = _per_rank_object(name, obj.state_dict())
         return state
 
     def save(self, iteration: int) -> str:
@@ -127,7 +127,7 @@ class Checkpointer:
         self.scheduler.load_state_dict(loaded["scheduler"])
         _set_rng_state(loaded["rng_state"])
         for name, obj in self.extra_state.items():
-            obj.load_sharded(loaded[name])
+            obj.load_state_dict(loaded[name])
         if dist.get_rank() == 0:
             print(f"resumed from {path} at iteration {iteration}", flush=True)
         return int(loaded["iteration"])

@@ -8,6 +8,7 @@ pipeline stage and is never broadcast to other stages.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from typing import Optional
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_async.forward_step import gpt_forward_step
-from megatron_async.schedules.registry import get_forward_backward_func
+from megatron_async.schedules.registry import get_forward_backward_func, get_runtime
 from megatron_async.training.data import microbatch_iterator
 from megatron_async.training.metrics import RunLog
 
@@ -42,11 +43,30 @@ def dp_mean_loss(losses_reduced: list[dict]) -> Optional[float]:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+def microbatch_getter(dataset, global_batch_size: int, micro_batch_size: int, num_microbatches: int):
+    """get(k) -> this DP rank's microbatch k of the run (batch k // m), for asynchronous runtimes."""
+    cache: dict[int, list] = {}
+
+    def get(k: int) -> dict:
+        batch = k // num_microbatches
+        if batch not in cache:
+            cache.clear()
+            cache[batch] = list(microbatch_iterator(dataset, batch, global_batch_size, micro_batch_size))
+        return cache[batch][k % num_microbatches]
+
+    return get
+
+
 class Trainer:
-    """Runs `args.train_iters` iterations of the schedule `args.pipeline_schedule`."""
+    """Runs `args.train_iters` iterations of the schedule `args.pipeline_schedule`.
+
+    Megatron's schedules run one flushed forward-backward per iteration; `2bw`
+    keeps a persistent pipeline (TwoBWRunner) whose state spans iterations;
+    `--simulated-delay K` runs Megatron's schedule at the weights of K steps ago.
+    """
 
     def __init__(self, args: argparse.Namespace, model, config, optimizer, scheduler,
-                 train_ds, valid_ds, run_log: RunLog, checkpointer=None):
+                 train_ds, valid_ds, run_log: RunLog, checkpointer=None, stash=None, start_iteration: int = 0):
         self.args = args
         self.model = model
         self.config = config
@@ -56,7 +76,21 @@ class Trainer:
         self.valid_ds = valid_ds
         self.log = run_log
         self.checkpointer = checkpointer
-        self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
+        self.stash = stash
+        self.runner = None
+        if args.pipeline_schedule == "2bw":
+            self.runner = get_runtime("2bw")(
+                model, optimizer, args.num_microbatches, args.train_iters,
+                activation_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
+                dtype=args.params_dtype,
+                forward_step_func=gpt_forward_step,
+                get_microbatch=microbatch_getter(train_ds, args.global_batch_size, args.micro_batch_size,
+                                                 args.num_microbatches),
+                start_batch=start_iteration,
+                stash=stash,
+            )
+        else:
+            self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
         model = self.model
@@ -77,12 +111,19 @@ class Trainer:
 
     def train_step(self, iteration: int) -> tuple[Optional[float], Optional[float]]:
         """Iteration `iteration` (0-based): returns (lm loss or None, grad norm)."""
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        batches = (self.train_ds, iteration, self.args.global_batch_size, self.args.micro_batch_size)
-        losses = self._run_schedule(batches, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
+        if self.runner is not None:
+            losses, (update_ok, grad_norm, _) = self.runner.train_step(iteration)
+        else:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            batches = (self.train_ds, iteration, self.args.global_batch_size, self.args.micro_batch_size)
+            delay = self.args.simulated_delay
+            at_version = self.stash.use(max(iteration - delay, 0)) if delay else contextlib.nullcontext()
+            with at_version:
+                losses = self._run_schedule(batches, forward_only=False)
+            with self.stash.optimizer_step() if delay else contextlib.nullcontext():
+                update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
         return dp_mean_loss(losses), grad_norm
@@ -91,13 +132,18 @@ class Trainer:
     def evaluate(self, evaluation_index: int) -> Optional[float]:
         if self.valid_ds is None:
             return None
+        totals = []
+        if self.stash is not None:
+            self.stash.point_to(self.stash.newest)  # evaluate the newest weights
         for chunk in self.model:
             chunk.eval()
-        totals = []
         for k in range(self.args.eval_iters):
             batches = (self.valid_ds, evaluation_index * self.args.eval_iters + k,
                        self.args.global_batch_size, self.args.micro_batch_size)
-            totals.extend(self._run_schedule(batches, forward_only=True))
+            if self.runner is not None:
+                totals.extend(self.runner.evaluate(list(microbatch_iterator(*batches))))
+            else:
+                totals.extend(self._run_schedule(batches, forward_only=True))
         for chunk in self.model:
             chunk.train()
         return dp_mean_loss(totals)
@@ -122,4 +168,6 @@ class Trainer:
                     self.log.evaluation(done, val)
             if self.checkpointer is not None and args.save_interval and done % args.save_interval == 0:
                 self.checkpointer.save(done)
+        if self.runner is not None:
+            self.runner.finish()
         return last_val
