@@ -87,6 +87,10 @@ def _train(args, device: str) -> int:
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     model, config = build_model(args, vocab, on_cpu=(device == "cpu"))
+    if args.simulated_delay and args.simulated_pipeline_stages > 1:
+        from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
+
+        clip_like_pipeline_stages(model, args.num_layers, args.simulated_pipeline_stages)
     optimizer, scheduler = build_optimizer(args, model)
     attach_schedule_hooks(config, model, optimizer)
     train_ds, valid_ds = build_datasets(args, tokenizer)

@@ -44,6 +44,17 @@ def test_2bw_equals_simulated_one_step_delay(pp):
     _assert_equal_trajectory(ref, results)
 
 
+def test_2bw_stage_local_clipping_equals_reference_with_the_same_rule():
+    clipped = {**COMMON, "clip_grad": 0.05}  # small enough that every step clips
+    (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **clipped), STEPS)
+    results = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **clipped), STEPS)
+    _assert_equal_trajectory(ref, results)
+    # and the rule matters: one global norm gives another trajectory
+    (global_ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, **clipped), STEPS)
+    with pytest.raises(AssertionError):
+        _assert_equal_trajectory(global_ref, results)
+
+
 def test_2bw_differs_from_synchronous_training():
     """The equivalence check can fail: 2BW is not the synchronous trajectory."""
     (sync,) = run_distributed(train_entry, 1, TinyGPT(**COMMON), STEPS)

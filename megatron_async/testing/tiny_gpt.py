@@ -49,6 +49,7 @@ class TinyGPT:
     schedule: Optional[str] = None  # default: no-pipelining for PP=1, 1f1b otherwise; or "2bw"
     simulated_delay: int = 0  # K > 0: gradients at the weights of K steps ago (PP=1 reference for 2bw)
     init_by_name: bool = False  # layout-independent init, so different PP/TP layouts start equal
+    clip_stages: int = 1  # PP=1 only: clip like a pipeline of this many stages (stage-local norms)
     extra_optimizer_config: dict = field(default_factory=dict)
 
     def dp(self, world_size: int) -> int:
@@ -98,6 +99,10 @@ def build(spec: TinyGPT):
     model = wrap_ddp(chunks, config, ddp_config)
     if spec.init_by_name:
         init_by_global_name(model, spec)
+    if spec.clip_stages > 1:
+        from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
+
+        clip_like_pipeline_stages(model, spec.num_layers, spec.clip_stages)
     opt_config = OptimizerConfig(
         optimizer=spec.optimizer,
         lr=spec.lr,

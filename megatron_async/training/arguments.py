@@ -101,6 +101,9 @@ def _add_ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--simulated-delay", type=int, default=0, metavar="K",
                    help="compute the gradient of step t at the weights of step max(t-K, 0) (PP=1); "
                         "K=1 is 2bw's rule, the reference 2bw must equal")
+    g.add_argument("--simulated-pipeline-stages", type=int, default=1, metavar="P",
+                   help="with --simulated-delay: clip each of P would-be pipeline stages by its own norm, "
+                        "reproducing a P-stage 2bw run with --clip-grad-mode stage-local exactly")
     g.add_argument("--clip-grad-mode", default="stage-local", choices=["stage-local", "stale-global"],
                    help="2bw/simulated delay: clip by each pipeline stage's own gradient norm, or by the "
                         "previous step's global norm (gathered without blocking)")
@@ -215,6 +218,11 @@ def _check_async_args(args: argparse.Namespace) -> None:
     if args.simulated_delay:
         _require(pp == 1, "--simulated-delay models 2bw's delay without pipelining: it needs "
                           f"--pipeline-model-parallel-size 1 (got {pp}); use --pipeline-schedule 2bw with PP > 1")
+    if args.simulated_pipeline_stages > 1:
+        _require(args.simulated_delay > 0, "--simulated-pipeline-stages needs --simulated-delay")
+        _require(args.num_layers % args.simulated_pipeline_stages == 0,
+                 f"--num-layers ({args.num_layers}) is not divisible by --simulated-pipeline-stages "
+                 f"({args.simulated_pipeline_stages})")
     if args.pipeline_schedule != "2bw" and not args.simulated_delay:
         return
     what = "--pipeline-schedule 2bw" if args.pipeline_schedule == "2bw" else "--simulated-delay"
