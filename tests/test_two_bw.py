@@ -91,3 +91,19 @@ def test_two_weight_buffers_per_stage():
         # the overhead is exactly one extra copy of the stage's own parameters
         stage_bytes = sum(t.numel() * t.element_size() for t in r["params"].values())
         assert r["stash_bytes"] == r["live_bytes"] == stage_bytes
+
+
+def test_stale_global_clipping_uses_previous_steps_global_norm():
+    spec = TinyGPT(pp=2, schedule="2bw", clip_grad_mode="stale-global", **{**COMMON, "clip_grad": 0.05})
+    results = run_distributed(train_entry, 2, spec, 6)
+    local = [r["norm_local"] for r in results]  # [stage][step][call]
+    for r in results:
+        used = r["norm_used"]
+        assert used[0] == r["norm_local"][0]  # step 0: nothing older, clip stage-locally
+        for step in range(1, 6):
+            for call, value in enumerate(used[step]):
+                expected = sum(stage[step - 1][call] ** 2 for stage in local) ** 0.5
+                assert value == pytest.approx(expected, rel=1e-12)
+    # stale-global clipping is a different trajectory from stage-local clipping
+    stage_local = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **{**COMMON, "clip_grad": 0.05}), 6)
+    assert results[1]["losses"] != stage_local[1]["losses"]

@@ -12,6 +12,7 @@ did, so the trajectories are equal.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -20,6 +21,7 @@ from megatron.core import parallel_state
 
 from megatron_async.pipeline.executor import StageExecutor
 from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
+from megatron_async.pipeline.stale_global import StaleGlobalNorm
 from megatron_async.schedules.actions import Backward, Forward, OptimizerStep
 from megatron_async.schedules.registry import get_schedule_generator
 from megatron_async.weight_stash import WeightStashManager
@@ -57,6 +59,7 @@ class TwoBWRunner:
         get_microbatch: Callable[[int], dict],
         start_batch: int = 0,
         stash: WeightStashManager | None = None,
+        clip_grad_mode: str = "stage-local",
     ):
         if len(model) != 1:
             raise ValueError("2bw runs one model chunk per stage (no virtual pipeline stages)")
@@ -70,6 +73,9 @@ class TwoBWRunner:
         p = parallel_state.get_pipeline_model_parallel_world_size()
         self.links = stage_links()
         self.eval_links = stage_links(duplicate_pipeline_group())
+        if clip_grad_mode not in ("stage-local", "stale-global"):
+            raise ValueError(f"--clip-grad-mode must be stage-local or stale-global, got {clip_grad_mode!r}")
+        self.stale_norm = StaleGlobalNorm(duplicate_pipeline_group()) if clip_grad_mode == "stale-global" else None
         schedule = get_schedule_generator("2bw")(p, num_microbatches, num_batches - start_batch)
         actions = shift_actions(schedule[self.links.stage], start_batch, num_microbatches)
         self.stash = stash or WeightStashManager(model, depth=1)
@@ -80,7 +86,8 @@ class TwoBWRunner:
         )
 
     def _step(self):
-        result = self.optimizer.step()
+        with self.stale_norm.step() if self.stale_norm else contextlib.nullcontext():
+            result = self.optimizer.step()
         # Megatron's optimizer aliases param.grad to DDP's main_grad during the step;
         # clear it, or the next backward would accumulate into main_grad twice.
         self.optimizer.zero_grad()
@@ -124,4 +131,6 @@ class TwoBWRunner:
 
     def finish(self) -> None:
         self.executor.finish()
+        if self.stale_norm:
+            self.stale_norm.finish()
 

@@ -50,6 +50,7 @@ class TinyGPT:
     simulated_delay: int = 0  # K > 0: gradients at the weights of K steps ago (PP=1 reference for 2bw)
     init_by_name: bool = False  # layout-independent init, so different PP/TP layouts start equal
     clip_stages: int = 1  # PP=1 only: clip like a pipeline of this many stages (stage-local norms)
+    clip_grad_mode: str = "stage-local"  # 2bw: or "stale-global"
     extra_optimizer_config: dict = field(default_factory=dict)
 
     def dp(self, world_size: int) -> int:
@@ -238,6 +239,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
             activation_shape=(spec.seq_length, spec.micro_batch_size, spec.hidden_size),
             dtype=torch.float32, forward_step_func=gpt_forward_step,
             get_microbatch=microbatch_getter(spec, num_micro),
+            clip_grad_mode=spec.clip_grad_mode,
         )
         for iteration in range(iterations):
             reports, (update_ok, _norm, _) = runner.train_step(iteration)
@@ -248,6 +250,8 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
         extra["weight_buffers"] = runner.stash.num_weight_buffers()
         extra["stash_bytes"] = runner.stash.stash_bytes()
         extra["live_bytes"] = runner.stash.live_bytes()
+        if runner.stale_norm:
+            extra["norm_used"], extra["norm_local"] = runner.stale_norm.used, runner.stale_norm.local
         return _result(spec, model, losses, grads_present, rank, extra)
 
     forward_backward = get_forward_backward_func(schedule)

@@ -88,9 +88,15 @@ class Trainer:
                                                  args.num_microbatches),
                 start_batch=start_iteration,
                 stash=stash,
+                clip_grad_mode=args.clip_grad_mode,
             )
         else:
             self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
+        self.stale_norm = None
+        if args.simulated_delay and args.clip_grad_mode == "stale-global":
+            from megatron_async.pipeline.stale_global import StaleGlobalNorm
+
+            self.stale_norm = StaleGlobalNorm(parallel_state.get_pipeline_model_parallel_group())
 
     def _run_schedule(self, data_iterator, forward_only: bool) -> list[dict]:
         model = self.model
@@ -122,7 +128,8 @@ class Trainer:
             at_version = self.stash.use(max(iteration - delay, 0)) if delay else contextlib.nullcontext()
             with at_version:
                 losses = self._run_schedule(batches, forward_only=False)
-            with self.stash.optimizer_step() if delay else contextlib.nullcontext():
+            stale = self.stale_norm.step() if self.stale_norm else contextlib.nullcontext()
+            with self.stash.optimizer_step() if delay else contextlib.nullcontext(), stale:
                 update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)

@@ -1,0 +1,78 @@
+"""`--clip-grad-mode stale-global`: clip by the previous step's global gradient norm.
+
+A global norm over all pipeline stages needs a reduction across stages; done
+synchronously at every step it makes every stage wait for the slowest, which is
+the bubble 2BW removes. Here each stage starts a non-blocking all-reduce of its
+squared stage-local norm at step t and consumes the result at step t+1, when it
+has long arrived, so step t+1 clips by the global norm of step t. Step 0 has no
+previous global norm and clips by its stage-local norm.
+
+It plugs into Megatron's optimizer at its one norm function
+(`get_grad_norm_fp32` in megatron.core.optimizer.optimizer): every call inside a
+step is answered with the stale global value of the same call one step earlier,
+so chained optimizers with several norm groups each get their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class StaleGlobalNorm:
+    """Per-stage state of the stale global norm (one instance per process)."""
+
+    def __init__(self, pipeline_group: dist.ProcessGroup):
+        self.group = pipeline_group
+        self._pending: list = []  # previous step's (work, squared-norm tensor) per call
+        self._current: list = []
+        self._calls = 0
+        self.used: list[list[float]] = []  # norm used for clipping, per step and call
+        self.local: list[list[float]] = []  # stage-local norm, per step and call
+
+    def _answer(self, local_norm: float) -> float:
+        index = self._calls
+        self._calls += 1
+        squared = torch.tensor([float(local_norm) ** 2], dtype=torch.float64)
+        work = dist.all_reduce(squared, group=self.group, async_op=True)
+        self._current.append((work, squared))
+        self.local[-1].append(float(local_norm))
+        if index < len(self._pending):
+            prev_work, prev_squared = self._pending[index]
+            prev_work.wait()
+            value = math.sqrt(prev_squared.item())
+        else:
+            value = float(local_norm)
+        self.used[-1].append(value)
+        return value
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Wrap one optimizer step: Megatron's norm function answers with stale global norms."""
+        from megatron.core.optimizer import optimizer as mcore_optimizer
+
+        original = mcore_optimizer.get_grad_norm_fp32
+        self._calls, self._current = 0, []
+        self.used.append([])
+        self.local.append([])
+
+        def norm(*args, **kwargs):
+            return self._answer(original(*args, **kwargs))
+
+        mcore_optimizer.get_grad_norm_fp32 = norm
+        try:
+            yield
+        finally:
+            mcore_optimizer.get_grad_norm_fp32 = original
+            for work, _ in self._pending[len(self._current):]:
+                work.wait()  # calls that did not recur this step
+            self._pending = self._current
+
+    def finish(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
