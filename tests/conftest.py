@@ -1,0 +1,38 @@
+"""Shared fixtures: a small real-English corpus, prepared once per test session."""
+
+import inspect
+
+import pytest
+
+# Real English prose that every Python 3.12 ships: the documentation of stdlib modules.
+STDLIB_MODULES = ["argparse", "collections", "textwrap", "json", "difflib", "heapq", "functools",
+                  "shutil", "pathlib", "logging", "inspect", "subprocess"]
+
+
+def module_text(name: str) -> str:
+    """A module's docstring followed by those of its public functions and classes."""
+    module = __import__(name)
+    parts = [inspect.getdoc(module) or ""]
+    for attr in sorted(vars(module)):
+        obj = getattr(module, attr)
+        if not attr.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)):
+            parts.append(f"{attr}\n{inspect.getdoc(obj) or ''}")
+    return "\n\n".join(p for p in parts if p.strip())
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """A prepared data directory (tokenizer.model, {train,valid}_text_document, stats.json):
+    one document per stdlib module, a 400-token BPE vocabulary, about a fifth held out."""
+    from megatron_async.data import prepare
+
+    root = tmp_path_factory.mktemp("small_corpus")
+    files = []
+    for name in STDLIB_MODULES:
+        path = root / "text" / f"{name}.txt"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(module_text(name), encoding="utf-8")
+        files.append(str(path))
+    out = root / "prepared"
+    prepare(str(out), corpus=None, inputs=files, vocab_size=400, valid_fraction=0.2, seed=1234)
+    return out
