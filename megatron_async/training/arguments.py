@@ -60,6 +60,30 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="normalise by tokens over the whole batch (refused with 2bw: needs a cross-stage reduction)")
+    # Emerging optimizers (Megatron-LM's names and defaults; see docs/optimizers.md).
+    g.add_argument("--muon-momentum", type=float, default=0.9, help="momentum of Muon's internal SGD")
+    g.add_argument("--muon-no-split-qkv", action="store_false", default=True, dest="muon_split_qkv",
+                   help="orthogonalise the fused QKV weight as one matrix instead of Q, K and V separately")
+    g.add_argument("--muon-nesterov", action="store_true", help="Nesterov momentum in Muon's internal SGD")
+    g.add_argument("--muon-scale-mode", default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"],
+                   help="update scale: spectral sqrt(max(m,n)), unit_rms_norm sqrt(m/n), shape_scaling sqrt(max(1,m/n))")
+    g.add_argument("--muon-fp32-matmul-prec", default="medium", choices=["medium", "high", "highest"],
+                   help="Newton-Schulz matmul precision (medium: bf16 iterations)")
+    g.add_argument("--muon-coefficient-type", default="quintic",
+                   help="Newton-Schulz coefficient set of emerging-optimizers (simple, quintic, polar_express, ...)")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations")
+    g.add_argument("--muon-tp-mode", default="blockwise", choices=["blockwise", "duplicated", "distributed"],
+                   help="tensor-parallel weights: orthogonalise each shard (blockwise) or the whole matrix")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0,
+                   help="extra factor on the Muon update (0.2 with spectral matches AdamW's update RMS)")
+    g.add_argument("--muon-scalar-optimizer", default="adam", choices=["adam", "lion"],
+                   help="optimizer of the parameters Muon leaves out (embeddings, output layer, biases, norms)")
+    g.add_argument("--lion-beta1", type=float, default=0.95, help="Lion: interpolation of the sign update")
+    g.add_argument("--lion-beta2", type=float, default=0.98, help="Lion: momentum EMA")
+    # Ours: compensating the one-step delay of 2bw (see docs/delay_correction.md).
+    g.add_argument("--delay-correction", default="none", choices=["none", "ef"],
+                   help="ef: apply D_t + lambda (D_t - D_{t-1}) instead of the optimizer's update D_t")
+    g.add_argument("--ef-lambda", type=float, default=1.0, help="lambda of --delay-correction ef")
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
@@ -190,7 +214,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
              f"the trainer runs: {', '.join(runnable)}")
 
     _check_async_args(args)
-    _check_optimizer_name(args.optimizer)
+    _check_optimizer_args(args)
     _check_data_args(args)
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
@@ -249,6 +273,31 @@ def _check_optimizer_name(name: str) -> None:
 
     names = available_optimizers()
     _require(name in names, f"--optimizer {name!r} is not available; choose one of: {', '.join(names)}")
+
+
+def _check_optimizer_args(args: argparse.Namespace) -> None:
+    """Optimizer flags; `--use-distributed-optimizer` with an emerging optimizer means
+    Megatron's layer-wise distributed optimizer (as in Megatron-LM)."""
+    from megatron_async.training.optim import is_emerging, muon_coefficient_types
+
+    _check_optimizer_name(args.optimizer)
+    _require(args.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1 (got {args.muon_num_ns_steps})")
+    types = muon_coefficient_types()
+    _require(not types or args.muon_coefficient_type in types,
+             f"--muon-coefficient-type {args.muon_coefficient_type!r} is not available; choose one of: "
+             f"{', '.join(types)}")
+    _require(args.ef_lambda >= 0.0, f"--ef-lambda must be >= 0 (got {args.ef_lambda})")
+    args.use_layer_wise_distributed_optimizer = False
+    if is_emerging(args.optimizer):
+        _require(not args.fp16, f"--optimizer {args.optimizer} does not support --fp16")
+        if args.use_distributed_optimizer:
+            args.use_layer_wise_distributed_optimizer = True
+            args.use_distributed_optimizer = False
+            _require(args.pipeline_model_parallel_size == 1 or args.pipeline_schedule != "2bw",
+                     f"--optimizer {args.optimizer} --use-distributed-optimizer (Megatron's layer-wise "
+                     "distributed optimizer) reduces gradient norms over all ranks: with "
+                     "--pipeline-schedule 2bw that is a blocking collective across pipeline stages; "
+                     "drop --use-distributed-optimizer")
 
 
 def _check_data_args(args: argparse.Namespace) -> None:

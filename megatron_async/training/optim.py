@@ -8,19 +8,44 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
-def available_optimizers() -> list[str]:
-    """Megatron's own (adam, sgd) plus the emerging optimizers it has registered (muon, lion, soap, ...)."""
-    names = {"adam", "sgd"}
+def _emerging_names() -> list[str]:
     try:
         from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
-
-        names.update(_EMERGING_OPTIMIZERS)
     except ImportError:
-        pass
-    return sorted(names)
+        return []
+    return list(_EMERGING_OPTIMIZERS)
+
+
+def available_optimizers() -> list[str]:
+    """Megatron's own (adam, sgd) plus the emerging optimizers it has registered (muon, lion, soap, ...)."""
+    return sorted({"adam", "sgd", *_emerging_names()})
+
+
+def is_emerging(name: str) -> bool:
+    """Built by Megatron's emerging-optimizer path (its own param split, layer-wise distribution)."""
+    return name not in ("adam", "sgd")
+
+
+def muon_coefficient_types() -> list[str]:
+    """Newton-Schulz coefficient sets the installed emerging-optimizers offers (empty if absent)."""
+    try:
+        from megatron.core.optimizer.emerging_optimizers import get_supported_coefficient_types
+
+        return [t for t in get_supported_coefficient_types() if t != "custom"]  # custom needs sets we cannot pass
+    except (ImportError, AssertionError):
+        return []
+
+
+# OptimizerConfig fields that are set from the flag of the same name when present.
+_PASSTHROUGH = (
+    "muon_momentum", "muon_split_qkv", "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec",
+    "muon_coefficient_type", "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor",
+    "muon_scalar_optimizer", "lion_beta1", "lion_beta2", "use_layer_wise_distributed_optimizer",
+)
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    extra = {name: getattr(args, name) for name in _PASSTHROUGH if hasattr(args, name)}
     return OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -34,11 +59,16 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         bf16=args.bf16,
         params_dtype=args.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        **extra,
     )
 
 
 def build_optimizer(args: argparse.Namespace, model):
-    """(MegatronOptimizer, OptimizerParamScheduler) for the DDP-wrapped model chunks."""
+    """(MegatronOptimizer, OptimizerParamScheduler) for the DDP-wrapped model chunks.
+
+    With `--delay-correction ef` the optimizer is wrapped in ErrorFeedbackOptimizer,
+    which keeps the MegatronOptimizer interface (and saves its state with it).
+    """
     optimizer = get_megatron_optimizer(optimizer_config(args), model)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -55,4 +85,8 @@ def build_optimizer(args: argparse.Namespace, model):
         wsd_decay_steps=None,
         lr_wsd_decay_style=None,
     )
+    if getattr(args, "delay_correction", "none") == "ef":
+        from megatron_async.delay_correction import ErrorFeedbackOptimizer
+
+        optimizer = ErrorFeedbackOptimizer(optimizer, ef_lambda=args.ef_lambda)
     return optimizer, scheduler

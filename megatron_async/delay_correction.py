@@ -1,0 +1,167 @@
+"""Error-feedback correction of the one-step-delayed update (`--delay-correction ef`).
+
+Under 2bw (and `--simulated-delay 1`) step t applies an update D_t computed from a
+gradient taken at weights one step old. EF applies instead
+
+    U_t = D_t + lambda * (D_t - D_{t-1})
+
+a first-order extrapolation of the update sequence to the step the gradient missed
+(docs/delay_correction.md). D_t is measured, not derived: it is what the wrapped
+optimizer did to its own main parameters (after momentum, orthogonalisation,
+scaling, weight decay and learning rate), so any Megatron optimizer works
+unchanged: Adam, Muon, a ChainedOptimizer, the distributed optimizers.
+
+How: a pre/post step hook (torch's `register_step_pre_hook`) on every torch
+optimizer inside the Megatron optimizer snapshots its parameters before the inner
+step and corrects them right after it. That is before Megatron copies main params
+to the model params and all-gathers them, so the corrected values reach the model
+through Megatron's own copy and gather: no extra communication, and the buffer of
+previous updates is sharded exactly like the main parameters. On the first step
+(and after a resume without EF state) there is no D_{t-1}: D_0 is applied unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Iterator, Optional
+
+import torch
+
+STATE_KEY = "delay_correction"
+
+
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (ChainedOptimizer, layer-wise, ...)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for child in chained for inner in torch_optimizers(child)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+class DelayCorrection:
+    """The EF hooks and their state: the previous update D_{t-1} of every main parameter."""
+
+    def __init__(self, optimizer, ef_lambda: float = 1.0):
+        self.ef_lambda = float(ef_lambda)
+        self.steps = 0  # inner steps seen (of the first torch optimizer)
+        self._enabled = False
+        self._opts = torch_optimizers(optimizer)
+        self._prev: list[Optional[list[torch.Tensor]]] = [None] * len(self._opts)
+        self._snap: list[Optional[list[torch.Tensor]]] = [None] * len(self._opts)
+        self._depth = [0] * len(self._opts)
+        for index, opt in enumerate(self._opts):
+            opt.register_step_pre_hook(partial(self._before, index))
+            opt.register_step_post_hook(partial(self._after, index))
+
+    @contextlib.contextmanager
+    def enabled(self) -> Iterator[None]:
+        """Correct only steps taken inside (not e.g. Megatron's dummy state-init steps)."""
+        self._enabled = True
+        try:
+            yield
+        finally:
+            self._enabled = False
+
+    @torch.no_grad()
+    def _before(self, index: int, opt, _args, _kwargs) -> None:
+        if not self._enabled:
+            return
+        self._depth[index] += 1  # a subclass step calling a hooked base step fires twice
+        if self._depth[index] == 1:
+            self._snap[index] = [p.detach().clone() for p in _params(opt)]
+
+    @torch.no_grad()
+    def _after(self, index: int, opt, _args, _kwargs) -> None:
+        if not self._enabled:
+            return
+        self._depth[index] -= 1
+        if self._depth[index]:
+            return
+        params, snap, prev = _params(opt), self._snap[index], self._prev[index]
+        self._snap[index] = None
+        for i, p in enumerate(params):
+            update = snap[i].neg_().add_(p.detach())  # D_t, in the snapshot's storage
+            if prev is not None:
+                p.detach().add_(update - prev[i], alpha=self.ef_lambda)
+        self._prev[index] = snap
+        if index == 0:
+            self.steps += 1
+
+    def buffer_bytes(self) -> int:
+        """Memory held between steps: one copy of the main parameters."""
+        return sum(t.numel() * t.element_size() for prev in self._prev if prev for t in prev)
+
+    def state_dict(self) -> dict:
+        """This rank's record (the previous update of each local main-parameter shard)."""
+        return {
+            "ef_lambda": self.ef_lambda,
+            "steps": self.steps,
+            "prev": [None if prev is None else [t.detach().cpu().clone() for t in prev] for prev in self._prev],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["prev"]
+        if len(saved) != len(self._opts):
+            raise ValueError(f"delay-correction state has {len(saved)} optimizers, this run has {len(self._opts)}")
+        restored = []
+        for index, (opt, prev) in enumerate(zip(self._opts, saved)):
+            if prev is None:
+                restored.append(None)
+                continue
+            params = _params(opt)
+            shapes = [tuple(p.shape) for p in params]
+            if [tuple(t.shape) for t in prev] != shapes:
+                raise ValueError(f"delay-correction state of optimizer {index} does not match its parameters")
+            restored.append([t.to(device=p.device, dtype=p.dtype).clone() for t, p in zip(prev, params)])
+        self._prev = restored
+        self.steps = int(state["steps"])
+
+
+class ErrorFeedbackOptimizer:
+    """A Megatron optimizer whose steps apply the EF-corrected update.
+
+    Everything but `step`, `sharded_state_dict` and `load_state_dict` is the wrapped
+    optimizer's (attribute reads and writes are delegated). The EF state travels
+    inside the optimizer's sharded state dict as a per-rank object, so checkpoints
+    need no extra wiring.
+    """
+
+    _OWN = ("wrapped", "delay_correction")
+
+    def __init__(self, optimizer, ef_lambda: float = 1.0):
+        object.__setattr__(self, "wrapped", optimizer)
+        object.__setattr__(self, "delay_correction", DelayCorrection(optimizer, ef_lambda))
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+    def __setattr__(self, name, value) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.wrapped, name, value)
+
+    def step(self):
+        """(update_successful, grad_norm, num_zeros) of the wrapped step, with U_t applied."""
+        with self.delay_correction.enabled():
+            return self.wrapped.step()
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        from megatron_async.training.checkpoint import _per_rank_object
+
+        state = self.wrapped.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        state[STATE_KEY] = _per_rank_object(STATE_KEY, self.delay_correction.state_dict())
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        if isinstance(state_dict, dict) and STATE_KEY in state_dict:
+            state_dict = dict(state_dict)
+            self.delay_correction.load_state_dict(state_dict.pop(STATE_KEY))
+        self.wrapped.load_state_dict(state_dict)

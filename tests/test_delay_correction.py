@@ -1,0 +1,213 @@
+"""`--delay-correction ef`: U_t = D_t + lambda (D_t - D_{t-1}) around any Megatron optimizer.
+
+- the rule itself, on a torch optimizer whose updates are known in closed form;
+- lambda = 0 is bitwise the plain optimizer (Adam, Muon; DP=2 distributed optimizer);
+- 2bw at PP=2 with EF equals the PP=1 one-step-delay reference with EF (the
+  correction is per stage and needs no communication);
+- DP=2 with the distributed optimizers equals DP=1 (the buffer is sharded like
+  the main parameters);
+- the EF state survives save and resume, in the state dict and in the trainer.
+Tolerances: as in tests/test_two_bw.py (fp32 on CPU; 1e-6 for layouts that change
+no reduction order, the layout tolerance where DP changes it).
+"""
+
+import json
+
+import pytest
+import torch
+
+from megatron_async.delay_correction import DelayCorrection, ErrorFeedbackOptimizer, torch_optimizers
+from megatron_async.testing.launch import torchrun_pretrain
+from megatron_async.testing.multiprocess import run_distributed
+from megatron_async.testing.tiny_gpt import TinyGPT
+
+STEPS = 8
+COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
+MUON = dict(optimizer="muon", lr=2e-2, extra_optimizer_config=dict(muon_fp32_matmul_prec="highest"))
+LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL = 1e-4, 1e-3, 1e-5
+# What the trainer's optimizer_config sets for --use-distributed-optimizer with Muon
+# (bf16=True only selects Megatron's mixed-precision wrapper, which keeps fp32 params fp32).
+LAYER_WISE = dict(use_layer_wise_distributed_optimizer=True, bf16=True)
+
+
+def ef_train_entry(rank, world_size, spec, iterations, ef_lambda):
+    """tiny_gpt.train with the optimizer wrapped in EF (patched in this rank's process only)."""
+    from megatron_async.testing import tiny_gpt
+
+    plain = tiny_gpt.get_megatron_optimizer
+    if ef_lambda is not None:
+        tiny_gpt.get_megatron_optimizer = lambda config, model: ErrorFeedbackOptimizer(plain(config, model), ef_lambda)
+    return tiny_gpt.train(spec, iterations, rank, world_size)
+
+
+def _run(world, spec, ef_lambda, steps=STEPS):
+    return run_distributed(ef_train_entry, world, spec, steps, ef_lambda)
+
+
+def _assert_same(ref, results, rtol=1e-6, atol=1e-6, loss_rtol=None, exact=False):
+    losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
+    if exact:
+        assert losses == ref["losses"]
+    else:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=loss_rtol or rtol, atol=0.0)
+    seen = set()
+    for r in results:
+        for name, value in r["params"].items():
+            if exact:
+                assert torch.equal(value, ref["params"][name]), f"rank {r['rank']} {name} differs"
+            else:
+                torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
+                                           msg=lambda m: f"rank {r['rank']} {name}: {m}")
+            seen.add(name)
+    assert seen == set(ref["params"])
+
+
+# --- the rule, without Megatron ----------------------------------------------------
+
+class _OneTorchOptimizer:
+    """The shape of a Megatron optimizer that matters to EF: `.optimizer` and `step()`."""
+
+    def __init__(self, opt):
+        self.optimizer = opt
+
+    def step(self):
+        self.optimizer.step()
+        return True, None, None
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+
+def _sgd_run(grads, ef_lambda, stop=None, state=None):
+    w = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))
+    opt = ErrorFeedbackOptimizer(_OneTorchOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9)), ef_lambda)
+    if state is not None:
+        w.data.copy_(state["w"])
+        opt.optimizer.load_state_dict(state["sgd"])
+        opt.delay_correction.load_state_dict(state["ef"])
+    start = 0 if state is None else state["t"]
+    for t in range(start, stop or len(grads)):
+        w.grad = grads[t].clone()
+        assert opt.step()[0]
+    snapshot = {"w": w.detach().clone(), "sgd": opt.optimizer.state_dict(),
+                "ef": opt.delay_correction.state_dict(), "t": stop or len(grads)}
+    return w.detach(), snapshot
+
+
+def test_ef_rule_on_known_updates():
+    """With gradients that do not depend on w, SGD-momentum's updates D_t are known, and the
+    EF sum telescopes: W_T = W_0 + sum(D_t) + lambda (D_{T-1} - D_0)."""
+    grads = [torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(t)) for t in range(6)]
+    buf, updates = torch.zeros(3, 2, dtype=torch.float64), []
+    for g in grads:
+        buf = 0.9 * buf + g
+        updates.append(-0.1 * buf)
+    for lam in (0.0, 0.5, 1.0):
+        w, _ = _sgd_run(grads, lam)
+        expected = sum(updates) + lam * (updates[-1] - updates[0])
+        torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_ef_state_dict_resume_equals_uninterrupted():
+    grads = [torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(t)) for t in range(6)]
+    full, _ = _sgd_run(grads, 1.0)
+    _, at3 = _sgd_run(grads, 1.0, stop=3)
+    resumed, _ = _sgd_run(grads, 1.0, state=at3)
+    assert torch.equal(resumed, full)
+    # the saved previous update matters: dropping it changes the result
+    at3["ef"] = {**at3["ef"], "prev": [None]}
+    dropped, _ = _sgd_run(grads, 1.0, state=at3)
+    assert not torch.equal(dropped, full)
+
+
+def test_ef_only_corrects_the_wrapped_step():
+    """Inner steps outside `step()` (e.g. Megatron's dummy state-initialising step) are untouched."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    inner = _OneTorchOptimizer(torch.optim.SGD([w], lr=1.0))
+    correction = DelayCorrection(inner, 1.0)
+    w.grad = torch.ones(2)
+    inner.step()
+    assert correction.steps == 0 and correction.buffer_bytes() == 0
+    with correction.enabled():
+        inner.step()
+    assert correction.steps == 1 and correction.buffer_bytes() == w.numel() * w.element_size()
+
+
+def test_finds_every_torch_optimizer_in_a_chain():
+    a, b = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+
+    class Chain:
+        chained_optimizers = [_OneTorchOptimizer(a), type("C", (), {"chained_optimizers": [_OneTorchOptimizer(b)]})()]
+
+    assert torch_optimizers(Chain()) == [a, b]
+
+
+# --- on Megatron, multi-rank -------------------------------------------------------
+
+@pytest.mark.parametrize("opt", ["adam", "muon"])
+def test_lambda_zero_is_bitwise_the_plain_optimizer(opt):
+    spec = TinyGPT(simulated_delay=1, **COMMON, **(MUON if opt == "muon" else {}))
+    (plain,) = _run(1, spec, None)
+    (zero,) = _run(1, spec, 0.0)
+    _assert_same(plain, [zero], exact=True)
+    (one,) = _run(1, spec, 1.0)
+    with pytest.raises(AssertionError):
+        _assert_same(plain, [one])
+
+
+def test_lambda_zero_is_bitwise_with_the_distributed_optimizer():
+    spec = TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON)
+    plain = _run(2, spec, None)
+    zero = _run(2, spec, 0.0)
+    _assert_same(plain[0], zero, exact=True)
+
+
+@pytest.mark.parametrize("opt", ["adam", "muon"])
+def test_2bw_with_ef_equals_simulated_delay_with_ef(opt):
+    extra = MUON if opt == "muon" else {}
+    (ref,) = _run(1, TinyGPT(simulated_delay=1, **COMMON, **extra), 1.0)
+    results = _run(2, TinyGPT(pp=2, schedule="2bw", **COMMON, **extra), 1.0)
+    _assert_same(ref, results)
+
+
+def test_ef_with_data_parallel_distributed_optimizer():
+    (ref,) = _run(1, TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON), 1.0)
+    results = _run(2, TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON), 1.0)
+    _assert_same(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+
+
+def test_ef_with_layer_wise_distributed_muon():
+    lw = dict(MUON, extra_optimizer_config=dict(MUON["extra_optimizer_config"], **LAYER_WISE))
+    (ref,) = _run(1, TinyGPT(simulated_delay=1, **COMMON, **lw), 1.0)
+    results = _run(2, TinyGPT(simulated_delay=1, **COMMON, **lw), 1.0)
+    _assert_same(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+
+
+# --- in the trainer -------------------------------------------------------------------
+
+TRAINER = ["--mock-data", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+           "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+           "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--train-iters", "6",
+           "--simulated-delay", "1", "--delay-correction", "ef", "--optimizer", "muon"]
+
+
+def _losses(path):
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
+
+
+def test_trainer_resume_restores_ef_state(tmp_path):
+    full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
+    run = torchrun_pretrain(TRAINER + ["--save", ckpt, "--save-interval", "3", "--metrics-json", full],
+                            nproc=1, timeout_s=200)
+    assert run.returncode == 0, run.stdout[-4000:]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    run = torchrun_pretrain(TRAINER + ["--load", ckpt, "--metrics-json", resumed], nproc=1, timeout_s=200)
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert "resumed from" in run.stdout
+    a, b = _losses(full), _losses(resumed)
+    assert sorted(b) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), it
