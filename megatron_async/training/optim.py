@@ -46,6 +46,11 @@ _PASSTHROUGH = (
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     extra = {name: getattr(args, name) for name in _PASSTHROUGH if hasattr(args, name)}
+    # Megatron's LayerWiseDistributedOptimizer wraps its per-rank torch optimizers in
+    # the mixed-precision wrapper only when bf16 is set, and leaves bare torch
+    # optimizers (which its chain cannot drive) otherwise. That wrapper keeps fp32
+    # parameters in fp32 (no master copy), so an fp32 model asks for it too.
+    mixed_precision_wrapper = args.bf16 or getattr(args, "use_layer_wise_distributed_optimizer", False)
     return OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
@@ -56,11 +61,20 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
-        bf16=args.bf16,
+        bf16=mixed_precision_wrapper,
         params_dtype=args.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
         **extra,
     )
+
+
+def route_position_embeddings_to_adam(model) -> None:
+    """Megatron marks only the word embeddings and the output layer as embeddings; a
+    learned position table is 2-D as well and would otherwise be orthogonalised by Muon."""
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if name.endswith("position_embeddings.weight"):
+                param.is_embedding_or_output_parameter = True
 
 
 def build_optimizer(args: argparse.Namespace, model):
@@ -69,6 +83,8 @@ def build_optimizer(args: argparse.Namespace, model):
     With `--delay-correction ef` the optimizer is wrapped in ErrorFeedbackOptimizer,
     which keeps the MegatronOptimizer interface (and saves its state with it).
     """
+    if is_emerging(args.optimizer):
+        route_position_embeddings_to_adam(model)
     optimizer = get_megatron_optimizer(optimizer_config(args), model)
     scheduler = OptimizerParamScheduler(
         optimizer,

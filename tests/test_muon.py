@@ -1,0 +1,348 @@
+"""Muon through Megatron-Core's emerging-optimizer path, as the trainer builds it.
+
+- One step (two, to include momentum) of the trainer's Muon on each 2-D hidden weight
+  equals torch.optim.Muon given the same gradients: `--muon-coefficient-type simple`
+  are torch's Newton-Schulz coefficients; `--muon-scale-mode shape_scaling` is torch's
+  adjust_lr_fn "original" (sqrt(max(1, rows/cols))); `spectral` with
+  `--muon-extra-scale-factor 0.2` is "match_rms_adamw" (0.2 sqrt(max(rows, cols))).
+  Both run Newton-Schulz in bf16 (Megatron with the default `--muon-fp32-matmul-prec
+  medium`), torch normalising after the bf16 cast and emerging-optimizers before it,
+  so updates agree to bf16 round-off: relative error of each update < 2e-2 (observed
+  < 1e-2; a wrong coefficient set, scale rule or Nesterov setting is off by > 15%).
+- The split: 2-D hidden weights to Muon, embeddings, output layer, biases, norms to Adam.
+- Layouts: TP=2 equals TP=1 with tp_mode duplicated/distributed (blockwise does not,
+  by design), DP=2 with the layer-wise distributed optimizer equals DP=1, EP=2 equals
+  EP=1 with 4 experts, whose updates are orthogonalised expert by expert; 2bw at PP=2
+  equals the one-step-delay reference. Newton-Schulz in fp32 (`highest`) there, and
+  the layout tolerances of tests/test_two_bw.py (Adam's near-zero bias updates
+  amplify round-off: weights to 10% of one step).
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron_async.testing.multiprocess import RankError, run_distributed
+from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
+
+FLAGS = ["--mock-data", "--optimizer", "muon", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--lr", "0.02", "--weight-decay", "0.1", "--clip-grad", "0", "--muon-coefficient-type", "simple"]
+DIRECTION_TOL, SCALE_TOL = 1e-3, 1e-2  # 1 - cosine, |norm ratio - 1| of each update
+
+
+def _well_conditioned(rows, cols, seed):
+    """U diag(s) V^T with singular values in [0.3, 1]: bf16 Newton-Schulz is then accurate
+    to ~1e-3 (on raw gradients, with singular values near 0, it amplifies bf16 round-off
+    to several percent, in torch's implementation and Megatron's alike)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(cols, k, generator=gen))
+    return (u * torch.linspace(0.3, 1.0, k)) @ v.T
+
+
+def _gradient(name, shape, step):
+    seed = 1000 * step + sum(map(ord, name))
+    if "linear_qkv" in name:  # each of Q, K, V well conditioned
+        return _qkv_join([_well_conditioned(shape[0] // 3, shape[1], seed + i) for i in range(3)])
+    return _well_conditioned(*shape, seed)
+
+
+def _muon_run_entry(rank, world_size, flags, steps):
+    """The trainer's optimizer (flags -> build_optimizer) on TinyGPT's model; record Muon's steps
+    for given gradients."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_async.model import build_gpt_chunks, wrap_ddp
+    from megatron_async.parallel import init_model_parallel
+    from megatron_async.testing.tiny_gpt import init_by_global_name, transformer_config
+    from megatron_async.training.arguments import parse_args, validate_args
+    from megatron_async.training.optim import build_optimizer
+
+    args = validate_args(parse_args(flags), world_size)
+    args.params_dtype = torch.float32
+    spec = TinyGPT(init_by_name=True, num_layers=2, hidden_size=32, seq_length=16)
+    init_model_parallel(1, 1, 1, seed=spec.seed)
+    config = transformer_config(spec)
+    chunks = build_gpt_chunks(config, spec.vocab_size, spec.seq_length)
+    model = wrap_ddp(chunks, config, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    init_by_global_name(model, spec)
+    optimizer, _ = build_optimizer(args, model)
+
+    named = list(model[0].module.named_parameters())
+    names = {id(p): n for n, p in named}
+    owner = {names[id(p)]: (type(child.optimizer).__name__, group["lr"], group["weight_decay"])
+             for child in optimizer.chained_optimizers for group in child.optimizer.param_groups
+             for p in group["params"]}
+    muon = [(n, p) for n, p in named if owner[n][0] == "TensorParallelMuon"]
+    record = {n: {"before": [], "grad": [], "after": []} for n, _ in muon}
+    for step in range(steps):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        for n, p in muon:
+            p.main_grad.copy_(_gradient(n, tuple(p.shape), step))
+            record[n]["before"].append(p.detach().clone())
+            record[n]["grad"].append(p.main_grad.detach().clone())
+        assert optimizer.step()[0]
+        for n, p in muon:
+            record[n]["after"].append(p.detach().clone())
+    return {"owner": owner, "record": record}
+
+
+def _qkv_split(t, groups=4, shapes=(8, 8, 8)):
+    """Megatron's fused QKV rows [group][q | k | v] as three matrices (muon_split_qkv)."""
+    parts = torch.split(t.view(groups, sum(shapes), -1), list(shapes), dim=1)
+    return [part.reshape(-1, t.shape[-1]).clone() for part in parts]
+
+
+def _qkv_join(parts, groups=4):
+    return torch.cat([p.view(groups, -1, p.shape[-1]) for p in parts], dim=1).reshape(-1, parts[0].shape[-1])
+
+
+def _torch_muon_updates(rec, lr, weight_decay, momentum, nesterov, adjust_lr_fn, qkv):
+    """The updates torch.optim.Muon makes from the same start and gradients."""
+    split = _qkv_split if qkv else (lambda t: [t.clone()])
+    join = _qkv_join if qkv else (lambda parts: parts[0])
+    params = [torch.nn.Parameter(b) for b in split(rec["before"][0])]
+    opt = torch.optim.Muon(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                           adjust_lr_fn=adjust_lr_fn)
+    updates = []
+    for grad in rec["grad"]:
+        before = join([p.detach().clone() for p in params])
+        for p, g in zip(params, split(grad)):
+            p.grad = g
+        opt.step()
+        updates.append(join([p.detach().clone() for p in params]) - before)
+    return updates
+
+
+MAPPINGS = {
+    "shape_scaling~original": (["--muon-scale-mode", "shape_scaling"], "original"),
+    "spectral*0.2~match_rms_adamw": (["--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2"],
+                                     "match_rms_adamw"),
+}
+
+
+def _run_and_compare(flags, adjust_lr_fn, momentum, nesterov, split_qkv=True):
+    """{param: (1 - cosine, |norm ratio - 1|)} of our updates against torch's, worst step."""
+    (out,) = run_distributed(_muon_run_entry, 1, FLAGS + flags, 2)
+    assert out["record"], "no parameter went to Muon"
+    errors = {}
+    for name, rec in out["record"].items():
+        _, lr, wd = out["owner"][name]
+        ours = [a - b for a, b in zip(rec["after"], rec["before"])]
+        ref = _torch_muon_updates(rec, lr, wd, momentum, nesterov, adjust_lr_fn, split_qkv and "linear_qkv" in name)
+        direction = max(1 - float((o * r).sum() / (o.norm() * r.norm())) for o, r in zip(ours, ref))
+        scale = max(abs(float(o.norm() / r.norm()) - 1) for o, r in zip(ours, ref))
+        errors[name] = (direction, scale)
+    return errors
+
+
+def _worst(errors):
+    return tuple(max(e[i] for e in errors.values()) for i in (0, 1))
+
+
+@pytest.mark.parametrize("mapping", list(MAPPINGS))
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_muon_step_equals_torch_muon(mapping, nesterov):
+    flags, adjust_lr_fn = MAPPINGS[mapping]
+    flags = flags + ["--muon-momentum", "0.95"] + (["--muon-nesterov"] if nesterov else [])
+    errors = _run_and_compare(flags, adjust_lr_fn, 0.95, nesterov)
+    assert len(errors) == 8  # qkv, proj, fc1, fc2 of two layers
+    direction, scale = _worst(errors)
+    assert direction < DIRECTION_TOL and scale < SCALE_TOL, errors
+
+
+def test_muon_comparison_detects_a_wrong_rule():
+    """The check has teeth: the other scale rule, Nesterov setting or coefficient set is far off."""
+    flags = MAPPINGS["shape_scaling~original"][0] + ["--muon-momentum", "0.95"]
+    wrong_scale = _run_and_compare(flags, "match_rms_adamw", 0.95, False)
+    assert min(e[1] for e in wrong_scale.values()) > 0.1, wrong_scale
+    wrong_nesterov = _run_and_compare(flags, "original", 0.95, True)
+    assert min(e[0] for e in wrong_nesterov.values()) > 10 * DIRECTION_TOL, wrong_nesterov
+    quintic = _run_and_compare(flags + ["--muon-coefficient-type", "quintic"], "original", 0.95, False)
+    assert max(_worst(quintic)) > 10 * DIRECTION_TOL, quintic
+
+
+def test_muon_no_split_qkv_orthogonalises_the_fused_matrix():
+    flags, adjust_lr_fn = MAPPINGS["shape_scaling~original"]
+    errors = _run_and_compare(flags + ["--muon-no-split-qkv"], adjust_lr_fn, 0.9, False, split_qkv=False)
+    direction, scale = _worst(errors)
+    assert direction < DIRECTION_TOL and scale < SCALE_TOL, errors
+
+
+def test_muon_parameter_split():
+    (out,) = run_distributed(_muon_run_entry, 1, FLAGS, 1)
+    for name, (cls, _, _) in out["owner"].items():
+        hidden_matrix = ".layers." in name and name.endswith("weight") and "layernorm" not in name
+        expected = "TensorParallelMuon" if hidden_matrix else "AdamW"
+        assert cls == expected, (name, cls)
+
+
+# --- layouts -------------------------------------------------------------------------
+
+STEPS = 6
+COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=2, global_batch_size=8, micro_batch_size=2,
+              optimizer="muon", lr=2e-2)
+EXACT_NS = dict(muon_fp32_matmul_prec="highest")
+LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL = 1e-4, 2e-3, 1e-5  # atol: 10% of one Adam step at lr 2e-2
+
+
+def _assert_same(ref, results, rtol=LAYOUT_RTOL, atol=LAYOUT_ATOL, loss_rtol=LAYOUT_LOSS_RTOL):
+    losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=loss_rtol, atol=0.0)
+    seen = set()
+    for r in results:
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {r['rank']} {name}: {m}")
+            seen.add(name)
+    assert seen == set(ref["params"]), "some reference parameters were not compared"
+
+
+def _spec(**overrides):
+    extra = dict(EXACT_NS, **overrides.pop("extra", {}))
+    return TinyGPT(**{**COMMON, **overrides}, extra_optimizer_config=extra)
+
+
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
+def test_tensor_parallel_equals_tp1(tp_mode):
+    (ref,) = run_distributed(train_entry, 1, _spec(extra=dict(muon_tp_mode=tp_mode)), STEPS)
+    _assert_same(ref, run_distributed(train_entry, 2, _spec(tp=2, extra=dict(muon_tp_mode=tp_mode)), STEPS))
+
+
+def test_blockwise_tensor_parallel_orthogonalises_each_shard():
+    """Megatron's default tp_mode: each TP shard on its own, so TP=2 is another optimizer."""
+    (ref,) = run_distributed(train_entry, 1, _spec(), STEPS)
+    with pytest.raises(AssertionError):
+        _assert_same(ref, run_distributed(train_entry, 2, _spec(tp=2), STEPS))
+
+
+def test_2bw_with_muon_equals_simulated_one_step_delay():
+    (ref,) = run_distributed(train_entry, 1, _spec(simulated_delay=1, num_layers=4), STEPS)
+    results = run_distributed(train_entry, 2, _spec(pp=2, schedule="2bw", num_layers=4), STEPS)
+    _assert_same(ref, results, rtol=1e-6, atol=1e-6, loss_rtol=1e-6)
+
+
+# Megatron's layer-wise distributed optimizer, as the trainer configures it for
+# --use-distributed-optimizer with Muon (bf16=True only selects the wrapper that
+# drives its per-rank optimizers; fp32 parameters stay fp32).
+LAYER_WISE = dict(use_layer_wise_distributed_optimizer=True, bf16=True)
+GLOO_UNEVEN_ALL_GATHER = (
+    "gloo's all_gather needs equal sizes; LayerWiseDistributedOptimizer.allgather_params gathers "
+    "each rank's whole parameters, of unequal sizes (NCCL accepts that); needs megatron_async/cpu.py "
+    "to pad uneven gloo all_gathers")
+
+
+@contextlib.contextmanager
+def uneven_all_gather_on_gloo():
+    """What NCCL does for all_gather with unequal tensor sizes, on gloo: pad, gather, trim."""
+    import torch.distributed as dist
+
+    plain = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.numel() for t in tensor_list]
+        if async_op or len(set(sizes)) == 1:
+            return plain(tensor_list, tensor, group=group, async_op=async_op)
+        padded = [torch.empty(max(sizes), dtype=tensor.dtype, device=tensor.device) for _ in sizes]
+        source = torch.zeros(max(sizes), dtype=tensor.dtype, device=tensor.device)
+        source[: tensor.numel()] = tensor.reshape(-1)
+        plain(padded, source, group=group)
+        for out, full, size in zip(tensor_list, padded, sizes):
+            out.view(-1).copy_(full[:size])
+
+    dist.all_gather = all_gather
+    try:
+        yield
+    finally:
+        dist.all_gather = plain
+
+
+def train_uneven_gather_entry(rank, world_size, spec, iterations):
+    with uneven_all_gather_on_gloo():
+        return train_entry(rank, world_size, spec, iterations)
+
+
+@pytest.mark.xfail(raises=RankError, reason=GLOO_UNEVEN_ALL_GATHER, strict=False)
+def test_layer_wise_distributed_optimizer_on_plain_gloo():
+    spec = _spec(simulated_delay=1, extra=LAYER_WISE)
+    run_distributed(train_entry, 2, spec, 2)
+
+
+def test_layer_wise_distributed_optimizer_equals_dp1():
+    spec = _spec(simulated_delay=1, extra=LAYER_WISE)
+    (ref,) = run_distributed(train_entry, 1, spec, STEPS)
+    results = run_distributed(train_uneven_gather_entry, 2, spec, STEPS)
+    _assert_same(ref, results)
+    # and DP=1 with it is plain (non-distributed) Muon
+    (plain,) = run_distributed(train_entry, 1, _spec(simulated_delay=1), STEPS)
+    _assert_same(plain, [ref], rtol=1e-6, atol=1e-6, loss_rtol=1e-6)
+
+
+# --- mixture of experts ------------------------------------------------------------------
+
+def moe_train_entry(rank, world_size, spec, iterations):
+    """tiny_gpt.train with expert weights named (and initialised) by their global expert index."""
+    from megatron.core import parallel_state
+
+    from megatron_async.testing import tiny_gpt
+
+    plain = tiny_gpt.global_param_name
+
+    def global_name(name, spec):
+        parts = plain(name, spec).split(".")
+        if "local_experts" in parts:
+            i = parts.index("local_experts") + 1
+            per_rank = spec.num_experts // spec.ep
+            parts[i] = str(int(parts[i]) + parallel_state.get_expert_model_parallel_rank() * per_rank)
+        return ".".join(parts)
+
+    tiny_gpt.global_param_name = global_name
+    return tiny_gpt.train(spec, iterations, rank, world_size)
+
+
+MOE = dict(num_experts=4, moe_token_dispatcher_type="alltoall")
+
+
+def test_expert_parallel_equals_ep1():
+    (ref,) = run_distributed(moe_train_entry, 1, _spec(**MOE), STEPS)
+    results = run_distributed(moe_train_entry, 2, _spec(ep=2, **MOE), STEPS)
+    assert {n for n in results[1]["params"] if "local_experts.3." in n}, "expert names are not global"
+    _assert_same(ref, results)
+
+
+def _one_step_updates(spec):
+    """{name: W_1 - W_0} of the expert weights after one step from the common start."""
+    start = run_distributed(moe_train_entry, 2, spec, 0)
+    stepped = run_distributed(moe_train_entry, 2, spec, 1)
+    return {name: w - before["params"][name] for before, after in zip(start, stepped)
+            for name, w in after["params"].items() if "local_experts" in name and name.endswith("weight")}
+
+
+def test_each_expert_is_orthogonalised_on_its_own():
+    """Muon's update of each expert is -lr sqrt(max(m, n)) NS(G_e) of that expert's own
+    gradient G_e (read off a plain SGD step), not a block of NS of the stacked experts."""
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+
+    muon = _one_step_updates(_spec(ep=2, **MOE))
+    sgd = _one_step_updates(_spec(ep=2, **MOE, optimizer="sgd", extra=dict(sgd_momentum=0.0)))
+    assert len(muon) == 2 * 2 * 4  # 2 layers x (fc1, fc2) x 4 experts
+    for name, update in muon.items():
+        grad = sgd[name] / -COMMON["lr"]
+        ours = update / (-COMMON["lr"] * max(update.shape) ** 0.5)
+        own = newton_schulz(grad, steps=5, coefficient_type="quintic")
+        # G_e is read off fp32 weight differences (~1e-4 relative), which NS amplifies a little
+        assert (ours - own).norm() < 1e-2 * own.norm(), (name, float((ours - own).norm() / own.norm()))
+        # the counterfactual: orthogonalising the 4 experts of this layer stacked together
+        prefix, index = name.split("local_experts.")[0], int(name.split("local_experts.")[1].split(".")[0])
+        suffix = name.split(f"local_experts.{index}")[1]
+        stacked = torch.cat([sgd[f"{prefix}local_experts.{e}{suffix}"] for e in range(4)]) / -COMMON["lr"]
+        joint = newton_schulz(stacked, steps=5, coefficient_type="quintic").chunk(4)[index]
+        assert (ours - joint).norm() > 0.1 * ours.norm(), (name, float((ours - joint).norm() / ours.norm()))
+        # and the update's spectrum: ~1 on the gradient's range (NS's band), ~0 off it
+        sv = torch.linalg.svdvals(ours)
+        assert float(sv.max()) < 1.2 and all(x < 0.3 or x > 0.75 for x in sv.tolist()[: len(sv) // 2]), (name, sv)
