@@ -1,14 +1,16 @@
 """`--delay-correction ef`: U_t = D_t + lambda (D_t - D_{t-1}) around any Megatron optimizer.
 
-- the rule itself, on a torch optimizer whose updates are known in closed form;
-- lambda = 0 is bitwise the plain optimizer (Adam, Muon; DP=2 distributed optimizer);
-- 2bw at PP=2 with EF equals the PP=1 one-step-delay reference with EF (the
-  correction is per stage and needs no communication);
-- DP=2 with the distributed optimizers equals DP=1 (the buffer is sharded like
-  the main parameters);
-- the EF state survives save and resume, in the state dict and in the trainer.
-Tolerances: as in tests/test_two_bw.py (fp32 on CPU; 1e-6 for layouts that change
-no reduction order, the layout tolerance where DP changes it).
+- the rule itself, on a torch optimizer whose updates are known in closed form (1e-12,
+  float64), and its state round trip;
+- lambda = 0 is bitwise the plain optimizer (Adam, Muon; the fp32 distributed
+  optimizer at DP=2; the bf16 distributed optimizer in the trainer);
+- 2bw at PP=2 with EF equals the PP=1 one-step-delay reference with EF (1e-6, as in
+  tests/test_two_bw.py: the correction is per stage and needs no communication);
+- DP=2 with the distributed optimizer, and with the layer-wise distributed Muon,
+  equals DP=1 (the buffer is sharded like the main parameters), to the layout
+  tolerances of tests/test_two_bw.py (weights to 10% of one Adam step);
+- the EF state is saved with the optimizer and a resumed trainer run equals the
+  uninterrupted one (lm_loss of iterations 4..6, 1e-6).
 """
 
 import json
@@ -195,8 +197,8 @@ def ef_uneven_gather_entry(rank, world_size, spec, iterations, ef_lambda):
 TRAINER = ["--mock-data", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "64",
            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
            "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
-           "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--train-iters", "6",
-           "--simulated-delay", "1", "--delay-correction", "ef", "--optimizer", "muon"]
+           "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--simulated-delay", "1"]
+MUON_EF = ["--train-iters", "6", "--optimizer", "muon", "--delay-correction", "ef"]
 
 
 def _losses(path):
@@ -207,14 +209,31 @@ def _losses(path):
 
 def test_trainer_resume_restores_ef_state(tmp_path):
     full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    run = torchrun_pretrain(TRAINER + ["--save", ckpt, "--save-interval", "3", "--metrics-json", full],
+    run = torchrun_pretrain(TRAINER + MUON_EF + ["--save", ckpt, "--save-interval", "3", "--metrics-json", full],
                             nproc=1, timeout_s=200)
     assert run.returncode == 0, run.stdout[-4000:]
+    # the previous update is saved with the optimizer, one record per rank
+    assert b"delay_correction/shard_" in (ckpt / "iter_0000003" / ".metadata").read_bytes()
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
-    run = torchrun_pretrain(TRAINER + ["--load", ckpt, "--metrics-json", resumed], nproc=1, timeout_s=200)
+    run = torchrun_pretrain(TRAINER + MUON_EF + ["--load", ckpt, "--metrics-json", resumed], nproc=1, timeout_s=200)
     assert run.returncode == 0, run.stdout[-4000:]
     assert "resumed from" in run.stdout
     a, b = _losses(full), _losses(resumed)
     assert sorted(b) == [4, 5, 6]
     for it in (4, 5, 6):
         assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), it
+
+
+def test_trainer_lambda_zero_is_plain_with_bf16_distributed_optimizer(tmp_path):
+    """bf16: the correction lands on the fp32 main shards, then Megatron's copy to the bf16
+    model params and its all-gather carry it; with lambda = 0 the run is the plain run."""
+    base = TRAINER + ["--train-iters", "4", "--bf16", "--use-distributed-optimizer"]
+    runs = {}
+    for name, extra in (("plain", []), ("zero", ["--delay-correction", "ef", "--ef-lambda", "0"])):
+        path = tmp_path / f"{name}.jsonl"
+        run = torchrun_pretrain(base + ["--metrics-json", path] + extra, nproc=2, timeout_s=200)
+        assert run.returncode == 0, run.stdout[-4000:]
+        with open(path, encoding="utf-8") as f:
+            runs[name] = [{k: v for k, v in json.loads(line).items() if k not in ("s_per_iter", "tokens_per_s")}
+                          for line in f]
+    assert runs["plain"] == runs["zero"]
