@@ -269,10 +269,10 @@ def _check_async_args(args: argparse.Namespace) -> None:
 
 
 def _check_optimizer_name(name: str) -> None:
-    from megatron_async.training.optim import available_optimizers
+    from megatron_async.training.optim import available_optimizers, is_available
 
-    names = available_optimizers()
-    _require(name in names, f"--optimizer {name!r} is not available; choose one of: {', '.join(names)}")
+    if not is_available(name):
+        raise ArgumentError(f"--optimizer {name!r} is not available; choose one of: {', '.join(available_optimizers())}")
 
 
 def _check_optimizer_args(args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -16,9 +17,40 @@ def _emerging_names() -> list[str]:
     return list(_EMERGING_OPTIMIZERS)
 
 
+@functools.lru_cache(maxsize=None)
+def _builds_and_steps(name: str) -> bool:
+    """Whether Megatron builds `name` the way get_megatron_optimizer does and it can step.
+
+    Megatron-Core 0.19.2 registers every optimizer of emerging-optimizers 0.3.0, but
+    passes `betas` to those without an adapter of their own (mop, polargrad, scion, spel,
+    muon_hyperball, sinkhorn_muon refuse it) and its adaptive_muon lacks attributes
+    0.3.0's step reads. A one-step probe on a 2x2 weight finds out.
+    """
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.optimizer.emerging_optimizers import _create_emerging_optimizer
+
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    weight.grad = torch.eye(2)
+    chunk = SimpleNamespace(config=SimpleNamespace(num_attention_heads=1, num_query_groups=1, kv_channels=2))
+    try:
+        opt, _ = _create_emerging_optimizer(OptimizerConfig(optimizer=name, lr=1e-3), [{"params": [weight]}], name,
+                                            [chunk], None)
+        opt.step()
+    except Exception:  # noqa: BLE001 - any failure means "not usable with this Megatron"
+        return False
+    return True
+
+
+def is_available(name: str) -> bool:
+    return name in ("adam", "sgd") or (name in _emerging_names() and _builds_and_steps(name))
+
+
 def available_optimizers() -> list[str]:
-    """Megatron's own (adam, sgd) plus the emerging optimizers it has registered (muon, lion, soap, ...)."""
-    return sorted({"adam", "sgd", *_emerging_names()})
+    """Megatron's own (adam, sgd) plus the emerging optimizers it registers and can build here
+    (muon, lion, soap, ...)."""
+    return sorted(n for n in ("adam", "sgd", *_emerging_names()) if is_available(n))
 
 
 def is_emerging(name: str) -> bool:
