@@ -102,7 +102,7 @@ class DelayCorrection:
         return {
             "ef_lambda": self.ef_lambda,
             "steps": self.steps,
-            "prev": [None if prev is None else [t.detach().cpu().clone() for t in prev] for prev in self._prev],
+            "prev": [None if prev is None else [t.detach().to("cpu", copy=True) for t in prev] for prev in self._prev],
         }
 
     @torch.no_grad()
