@@ -133,7 +133,8 @@ def test_ef_only_corrects_the_wrapped_step():
 
 
 def test_finds_every_torch_optimizer_in_a_chain():
-    a, b = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    a = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    b = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
 
     class Chain:
         chained_optimizers = [_OneTorchOptimizer(a), type("C", (), {"chained_optimizers": [_OneTorchOptimizer(b)]})()]

@@ -66,7 +66,8 @@ def _add_optimizer(p: argparse.ArgumentParser) -> None:
                    help="orthogonalise the fused QKV weight as one matrix instead of Q, K and V separately")
     g.add_argument("--muon-nesterov", action="store_true", help="Nesterov momentum in Muon's internal SGD")
     g.add_argument("--muon-scale-mode", default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"],
-                   help="update scale: spectral sqrt(max(m,n)), unit_rms_norm sqrt(m/n), shape_scaling sqrt(max(1,m/n))")
+                   help="update scale of an m x n weight: spectral sqrt(max(m,n)), unit_rms_norm sqrt(m/n), "
+                        "shape_scaling sqrt(max(1,m/n))")
     g.add_argument("--muon-fp32-matmul-prec", default="medium", choices=["medium", "high", "highest"],
                    help="Newton-Schulz matmul precision (medium: bf16 iterations)")
     g.add_argument("--muon-coefficient-type", default="quintic",
@@ -272,7 +273,8 @@ def _check_optimizer_name(name: str) -> None:
     from megatron_async.training.optim import available_optimizers, is_available
 
     if not is_available(name):
-        raise ArgumentError(f"--optimizer {name!r} is not available; choose one of: {', '.join(available_optimizers())}")
+        names = ", ".join(available_optimizers())
+        raise ArgumentError(f"--optimizer {name!r} is not available; choose one of: {names}")
 
 
 def _check_optimizer_args(args: argparse.Namespace) -> None:
