@@ -1,0 +1,29 @@
+"""The pipeline throughput benchmark runs end to end (tiny model, --quick).
+
+Only that it completes and reports every configuration: timings on a shared CI
+machine say nothing about speed, so none are asserted.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import pipeline_throughput as bench  # noqa: E402
+
+
+def test_quick_benchmark_reports_every_config(tmp_path):
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--json", str(out)])
+    results = json.loads(out.read_text())
+    assert set(results["configs"]) == {name for name, *_ in bench.CONFIGS}
+    for name, config in results["configs"].items():
+        for key in ("s_per_microbatch", "simulated_s_per_microbatch"):
+            assert math.isfinite(config[key]) and config[key] > 0, (name, key, config[key])
+    for stages in results["stage_times"].values():
+        assert all(t["fwd"] > 0 and t["bwd"] > 0 for t in stages)
+    assert set(results["ratios"]) and all(v > 0 for v in results["ratios"].values())
