@@ -272,6 +272,41 @@ def _patch_moe_host_copies() -> None:
         token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+class _DoneWork:
+    """What an async collective returns when it already ran to completion."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _patch_uneven_all_gather() -> None:
+    """gloo's all_gather requires equal sizes; NCCL accepts unequal ones, and
+    Megatron's LayerWiseDistributedOptimizer.allgather_params relies on it (each
+    data-parallel rank gathers the whole parameters it owns, of different sizes).
+    Pad every input to the largest size, gather, and trim each output."""
+    import torch.distributed as dist
+
+    plain = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.numel() for t in tensor_list]
+        if len(set(sizes)) <= 1:
+            return plain(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        source = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
+        source[: tensor.numel()] = tensor.reshape(-1)
+        padded = [torch.empty_like(source) for _ in sizes]
+        plain(padded, source, group=group)
+        for out, full, size in zip(tensor_list, padded, sizes):
+            out.view(-1).copy_(full[:size])
+        return _DoneWork() if async_op else None
+
+    dist.all_gather = all_gather
+
+
 def activate() -> bool:
     """Enable CUDA emulation on the CPU. Returns False (and does nothing) with CUDA."""
     global _ACTIVE, _MODE
@@ -287,6 +322,7 @@ def activate() -> bool:
     _patch_autograd_backward()
     _patch_rng_tracker()
     _patch_moe_host_copies()
+    _patch_uneven_all_gather()
     with contextlib.suppress(ImportError):
         _patch_missing_te_names()
     _ACTIVE = True

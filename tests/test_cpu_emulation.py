@@ -79,3 +79,24 @@ def test_emulated_cuda_calls_run_on_cpu():
     assert out["event_done"] is True
     assert out["fork_repeatable"] and out["fork_isolated"]
     assert out["custom_backward"] == [2.0, 2.0, 2.0]
+
+
+def _uneven_all_gather(rank, world_size):
+    import torch.distributed as dist
+
+    cpu.activate()
+    sizes = [3, 5]
+    mine = torch.arange(sizes[rank], dtype=torch.float32) + 10 * rank
+    outs = [torch.empty(n, device="cuda") for n in sizes]
+    work = dist.all_gather(outs, mine, async_op=True)
+    work.wait()
+    even = [torch.empty(2) for _ in sizes]
+    dist.all_gather(even, torch.full((2,), float(rank)))
+    return [o.tolist() for o in outs], [e.tolist() for e in even]
+
+
+def test_all_gather_of_unequal_sizes_on_gloo():
+    """NCCL's all_gather accepts unequal sizes (Megatron's layer-wise optimizer relies on it)."""
+    for uneven, even in run_distributed(_uneven_all_gather, 2):
+        assert uneven == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0, 13.0, 14.0]]
+        assert even == [[0.0, 0.0], [1.0, 1.0]]

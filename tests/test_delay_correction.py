@@ -182,15 +182,8 @@ def test_ef_with_layer_wise_distributed_muon():
 
     lw = dict(MUON, extra_optimizer_config=dict(MUON["extra_optimizer_config"], **LAYER_WISE))
     (ref,) = _run(1, TinyGPT(simulated_delay=1, **COMMON, **lw), 1.0)
-    results = run_distributed(ef_uneven_gather_entry, 2, TinyGPT(simulated_delay=1, **COMMON, **lw), STEPS, 1.0)
+    results = run_distributed(ef_train_entry, 2, TinyGPT(simulated_delay=1, **COMMON, **lw), STEPS, 1.0)
     _assert_same(ref, results, LAYOUT_RTOL, 2e-3, LAYOUT_LOSS_RTOL)  # atol: 10% of one Adam step at lr 2e-2
-
-
-def ef_uneven_gather_entry(rank, world_size, spec, iterations, ef_lambda):
-    from test_muon import uneven_all_gather_on_gloo
-
-    with uneven_all_gather_on_gloo():
-        return ef_train_entry(rank, world_size, spec, iterations, ef_lambda)
 
 
 # --- in the trainer -------------------------------------------------------------------

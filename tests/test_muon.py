@@ -24,12 +24,11 @@
 - Flags reach OptimizerConfig; bad combinations are refused before training.
 """
 
-import contextlib
 
 import pytest
 import torch
 
-from megatron_async.testing.multiprocess import RankError, run_distributed
+from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
 
 FLAGS = ["--mock-data", "--optimizer", "muon", "--num-layers", "2", "--hidden-size", "32",
@@ -237,57 +236,28 @@ def test_2bw_with_muon_equals_simulated_one_step_delay():
 # --use-distributed-optimizer with Muon (bf16=True only selects the wrapper that
 # drives its per-rank optimizers; fp32 parameters stay fp32).
 LAYER_WISE = dict(use_layer_wise_distributed_optimizer=True, bf16=True)
-GLOO_UNEVEN_ALL_GATHER = (
-    "gloo's all_gather needs equal sizes; LayerWiseDistributedOptimizer.allgather_params gathers "
-    "each rank's whole parameters, of unequal sizes (NCCL accepts that); needs megatron_async/cpu.py "
-    "to pad uneven gloo all_gathers")
-
-
-@contextlib.contextmanager
-def uneven_all_gather_on_gloo():
-    """What NCCL does for all_gather with unequal tensor sizes, on gloo: pad, gather, trim."""
-    import torch.distributed as dist
-
-    plain = dist.all_gather
-
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        sizes = [t.numel() for t in tensor_list]
-        if async_op or len(set(sizes)) == 1:
-            return plain(tensor_list, tensor, group=group, async_op=async_op)
-        padded = [torch.empty(max(sizes), dtype=tensor.dtype, device=tensor.device) for _ in sizes]
-        source = torch.zeros(max(sizes), dtype=tensor.dtype, device=tensor.device)
-        source[: tensor.numel()] = tensor.reshape(-1)
-        plain(padded, source, group=group)
-        for out, full, size in zip(tensor_list, padded, sizes):
-            out.view(-1).copy_(full[:size])
-
-    dist.all_gather = all_gather
-    try:
-        yield
-    finally:
-        dist.all_gather = plain
-
-
-def train_uneven_gather_entry(rank, world_size, spec, iterations):
-    with uneven_all_gather_on_gloo():
-        return train_entry(rank, world_size, spec, iterations)
-
-
-@pytest.mark.xfail(raises=RankError, reason=GLOO_UNEVEN_ALL_GATHER, strict=False)
-def test_layer_wise_distributed_optimizer_on_plain_gloo():
-    spec = _spec(simulated_delay=1, extra=LAYER_WISE)
-    run_distributed(train_entry, 2, spec, 2)
-
-
 def test_layer_wise_distributed_optimizer_equals_dp1():
     spec = _spec(simulated_delay=1, extra=LAYER_WISE)
     (ref,) = run_distributed(train_entry, 1, spec, STEPS)
-    results = run_distributed(train_uneven_gather_entry, 2, spec, STEPS)
+    results = run_distributed(train_entry, 2, spec, STEPS)  # on gloo through cpu.py's uneven all_gather
     _assert_same(ref, results)
     # and DP=1 with it is plain (non-distributed) Muon
     (plain,) = run_distributed(train_entry, 1, _spec(simulated_delay=1), STEPS)
     _assert_same(plain, [ref], rtol=1e-6, atol=1e-6, loss_rtol=1e-6)
 
+
+
+def test_2bw_with_layer_wise_distributed_optimizer_and_stage_local_clipping():
+    """PP=2 x DP=2 2bw with the layer-wise distributed Muon, clipping every step by
+    each stage's own norm, equals PP=1 DP=1 one-step delay with the same clipping
+    rule: the norm stays inside each stage (no all-rank reduction)."""
+    clipped = dict(clip_grad=0.05, num_layers=4, extra=LAYER_WISE)
+    (ref,) = run_distributed(train_entry, 1, _spec(simulated_delay=1, clip_stages=2, **clipped), STEPS)
+    results = run_distributed(train_entry, 4, _spec(pp=2, schedule="2bw", **clipped), STEPS)
+    _assert_same(ref, results)
+    (global_ref,) = run_distributed(train_entry, 1, _spec(simulated_delay=1, **clipped), STEPS)
+    with pytest.raises(AssertionError):  # the clipping rule is visible at this tolerance
+        _assert_same(global_ref, results)
 
 # --- mixture of experts ------------------------------------------------------------------
 
@@ -360,10 +330,6 @@ REFUSALS = {
     "coefficient set": (["--muon-coefficient-type", "nonsense"], 1, "--muon-coefficient-type 'nonsense'"),
     "Newton-Schulz steps": (["--muon-num-ns-steps", "0"], 1, "--muon-num-ns-steps"),
     "EF lambda": (["--delay-correction", "ef", "--ef-lambda", "-0.5"], 1, "--ef-lambda"),
-    "layer-wise under 2bw": (["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
-                              "--pipeline-schedule", "2bw", "--untie-embeddings-and-output-weights"], 4,
-                             "blocking collective across pipeline stages"),
-    "layer-wise on gloo": (["--use-distributed-optimizer", "--device", "cpu"], 2, "gloo"),
     "unknown optimizer": (["--optimizer", "nonsense"], 1, "choose one of: adam"),
 }
 

@@ -9,7 +9,11 @@ points each (sub-)optimizer at the ranks of its own stage instead:
 - non-distributed optimizer: the tensor-parallel group (gradients are replicated
   across data-parallel ranks after the all-reduce, so DP must not be summed);
 - distributed optimizer: tensor x data parallel ranks of the stage (each DP rank
-  holds a shard of the reduced gradient).
+  holds a shard of the reduced gradient);
+- Megatron's layer-wise distributed optimizer (emerging optimizers such as Muon
+  with --use-distributed-optimizer): the same ranks, since each DP rank owns whole
+  parameters. It reduces over all ranks (group=None) in its own methods, so those
+  methods are replaced on the instance.
 
 Clipping with `--clip-grad` then uses the stage's own gradient norm
 (`--clip-grad-mode stage-local`).
@@ -30,10 +34,57 @@ def stage_local_group(distributed: bool):
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def _is_layer_wise(optimizer) -> bool:
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    return isinstance(optimizer, LayerWiseDistributedOptimizer)
+
+
 def make_stage_local(optimizer, distributed: bool) -> None:
-    group = stage_local_group(distributed)
+    layer_wise = _is_layer_wise(optimizer)
+    group = stage_local_group(distributed or layer_wise)
     for sub in _sub_optimizers(optimizer):
         sub.grad_stats_parallel_group = group
+    if layer_wise:
+        _layer_wise_stage_local(optimizer, group)
+
+
+def _layer_wise_stage_local(optimizer, group) -> None:
+    """Point LayerWiseDistributedOptimizer's world-wide norm, group check and zero
+    count at `group`. The norm goes through optimizer.get_grad_norm_fp32, looked up
+    at call time, so `--clip-grad-mode stale-global` sees these calls too."""
+    import types
+
+    import torch
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.optimizer.clip_grads import count_zeros_fp32
+
+    def norm_of(self, grad_norm_group=None):
+        grads = []
+        for sub in self.chained_optimizers:
+            grads += (sub.get_grads_for_grad_norm() if grad_norm_group is None
+                      else sub.get_grads_for_grad_norm(grad_norm_group))
+        return mcore_optimizer.get_grad_norm_fp32(grads, grad_stats_parallel_group=group)
+
+    def has_grad_norm_group(self, grad_norm_group):
+        cache = self.__dict__.setdefault("_stage_grad_norm_groups", {})
+        if grad_norm_group not in cache:
+            local = any(getattr(p, mcore_optimizer.GRAD_NORM_GROUP_ATTR, None) == grad_norm_group
+                        for sub in self.chained_optimizers for p in sub.get_parameters())
+            flag = torch.tensor([int(local)], dtype=torch.int, device="cuda")
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            cache[grad_norm_group] = bool(flag.item())
+        return cache[grad_norm_group]
+
+    def count_zeros(self):
+        params = [p for sub in self.chained_optimizers for p in sub.get_parameters()]
+        return count_zeros_fp32(params, grad_stats_parallel_group=group,
+                                use_decoupled_grad=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+    optimizer.get_grad_norm = types.MethodType(lambda self: norm_of(self), optimizer)
+    optimizer._get_grad_norm_for_group = types.MethodType(norm_of, optimizer)
+    optimizer.has_grad_norm_group = types.MethodType(has_grad_norm_group, optimizer)
+    optimizer.count_zeros = types.MethodType(count_zeros, optimizer)
 
 
 def _stage_of(name: str, num_layers: int, num_stages: int) -> int:

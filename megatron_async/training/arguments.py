@@ -293,19 +293,6 @@ def _check_optimizer_args(args: argparse.Namespace) -> None:
     if is_emerging(args.optimizer) and args.use_distributed_optimizer:
         args.use_layer_wise_distributed_optimizer = True
         args.use_distributed_optimizer = False
-        what = f"--optimizer {args.optimizer} --use-distributed-optimizer (Megatron's layer-wise distributed optimizer)"
-        _require(args.pipeline_model_parallel_size == 1 or args.pipeline_schedule != "2bw",
-                 f"{what} reduces gradient norms over all ranks: with --pipeline-schedule 2bw that is a "
-                 "blocking collective across pipeline stages; drop --use-distributed-optimizer")
-        _require(args.data_parallel_size == 1 or not _runs_on_cpu(args.device),
-                 f"{what} all-gathers parameters of unequal sizes across data-parallel ranks, which gloo "
-                 "(the CPU backend) cannot do; drop --use-distributed-optimizer on CPU")
-
-
-def _runs_on_cpu(device: str) -> bool:
-    import torch
-
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def _check_data_args(args: argparse.Namespace) -> None:
