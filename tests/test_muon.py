@@ -261,40 +261,20 @@ def test_2bw_with_layer_wise_distributed_optimizer_and_stage_local_clipping():
 
 # --- mixture of experts ------------------------------------------------------------------
 
-def moe_train_entry(rank, world_size, spec, iterations):
-    """tiny_gpt.train with expert weights named (and initialised) by their global expert index."""
-    from megatron.core import parallel_state
-
-    from megatron_async.testing import tiny_gpt
-
-    plain = tiny_gpt.global_param_name
-
-    def global_name(name, spec):
-        parts = plain(name, spec).split(".")
-        if "local_experts" in parts:
-            i = parts.index("local_experts") + 1
-            per_rank = spec.num_experts // spec.ep
-            parts[i] = str(int(parts[i]) + parallel_state.get_expert_model_parallel_rank() * per_rank)
-        return ".".join(parts)
-
-    tiny_gpt.global_param_name = global_name
-    return tiny_gpt.train(spec, iterations, rank, world_size)
-
-
 MOE = dict(num_experts=4, moe_token_dispatcher_type="alltoall")
 
 
 def test_expert_parallel_equals_ep1():
-    (ref,) = run_distributed(moe_train_entry, 1, _spec(**MOE), STEPS)
-    results = run_distributed(moe_train_entry, 2, _spec(ep=2, **MOE), STEPS)
+    (ref,) = run_distributed(train_entry, 1, _spec(**MOE), STEPS)
+    results = run_distributed(train_entry, 2, _spec(ep=2, **MOE), STEPS)
     assert {n for n in results[1]["params"] if "local_experts.3." in n}, "expert names are not global"
     _assert_same(ref, results)
 
 
 def _one_step_updates(spec):
     """{name: W_1 - W_0} of the expert weights after one step from the common start."""
-    start = run_distributed(moe_train_entry, 2, spec, 0)
-    stepped = run_distributed(moe_train_entry, 2, spec, 1)
+    start = run_distributed(train_entry, 2, spec, 0)
+    stepped = run_distributed(train_entry, 2, spec, 1)
     return {name: w - before["params"][name] for before, after in zip(start, stepped)
             for name, w in after["params"].items() if "local_experts" in name and name.endswith("weight")}
 

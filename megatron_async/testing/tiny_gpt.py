@@ -118,11 +118,16 @@ def build(spec: TinyGPT):
 
 
 def global_param_name(name: str, spec: TinyGPT) -> str:
-    """`decoder.layers.<local>` renamed to the global layer index of this pipeline stage."""
+    """`decoder.layers.<local>` and `local_experts.<local>` renamed to their global indices
+    (layer across pipeline stages, expert across expert-parallel ranks)."""
     parts = name.split(".")
     if "layers" in parts:
         i = parts.index("layers") + 1
         parts[i] = str(int(parts[i]) + parallel_state.get_pipeline_model_parallel_rank() * (spec.num_layers // spec.pp))
+    if "local_experts" in parts:
+        i = parts.index("local_experts") + 1
+        per_rank = spec.num_experts // spec.ep
+        parts[i] = str(int(parts[i]) + parallel_state.get_expert_model_parallel_rank() * per_rank)
     return ".".join(parts)
 
 
