@@ -36,6 +36,22 @@ def gpt_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None):
     return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=config.moe_grouped_gemm)
 
 
+def moe_settings(num_experts: Optional[int], topk: int, dispatcher: str, aux_loss_coeff: float = 0.0) -> dict:
+    """TransformerConfig fields for a mixture-of-experts MLP ({} without experts)."""
+    if not num_experts:
+        return {}
+    return dict(
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_token_dispatcher_type=dispatcher,
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        # Megatron's SequentialMLP adds expert biases in place on a view that
+        # autograd forbids; MoE models are trained without linear biases anyway.
+        add_bias_linear=False,
+    )
+
+
 def build_gpt_chunks(
     config: TransformerConfig,
     vocab_size: int,

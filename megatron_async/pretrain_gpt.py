@@ -87,6 +87,10 @@ def _train(args, device: str) -> int:
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     model, config = build_model(args, vocab, on_cpu=(device == "cpu"))
+    if args.layout_invariant_init:
+        from megatron_async.layout_invariant_init import init_by_global_name, megatron_like
+
+        init_by_global_name(model, args.seed, megatron_like(args.init_method_std, args.num_layers))
     if args.simulated_delay and args.simulated_pipeline_stages > 1:
         from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
 

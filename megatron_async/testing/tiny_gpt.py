@@ -20,8 +20,9 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_async import layout_invariant_init
 from megatron_async.forward_step import gpt_forward_step, reduce_lm_loss
-from megatron_async.model import attach_schedule_hooks, build_gpt_chunks, wrap_ddp
+from megatron_async.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
 from megatron_async.parallel import init_model_parallel
 from megatron_async.schedules.registry import get_forward_backward_func
 
@@ -61,16 +62,7 @@ class TinyGPT:
 
 
 def transformer_config(spec: TinyGPT) -> TransformerConfig:
-    moe = {}
-    if spec.num_experts:
-        moe = dict(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=spec.moe_router_topk,
-            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
-            moe_aux_loss_coeff=0.0,
-            moe_router_load_balancing_type="none",
-            add_bias_linear=False,  # SequentialMLP adds expert bias in place on a custom-Function view
-        )
+    moe = moe_settings(spec.num_experts, spec.moe_router_topk, spec.moe_token_dispatcher_type)
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -117,41 +109,17 @@ def build(spec: TinyGPT):
     return model, optimizer, config
 
 
-def global_param_name(name: str, spec: TinyGPT) -> str:
-    """`decoder.layers.<local>` and `local_experts.<local>` renamed to their global indices
-    (layer across pipeline stages, expert across expert-parallel ranks)."""
-    parts = name.split(".")
-    if "layers" in parts:
-        i = parts.index("layers") + 1
-        parts[i] = str(int(parts[i]) + parallel_state.get_pipeline_model_parallel_rank() * (spec.num_layers // spec.pp))
-    if "local_experts" in parts:
-        i = parts.index("local_experts") + 1
-        per_rank = spec.num_experts // spec.ep
-        parts[i] = str(int(parts[i]) + parallel_state.get_expert_model_parallel_rank() * per_rank)
-    return ".".join(parts)
+def _tiny_values(name: str, shape: list, gen: torch.Generator) -> torch.Tensor:
+    """Every tensor random (biases too, so each one is exercised), layer norms around 1."""
+    full = torch.randn(shape, generator=gen) * 0.05
+    if "layernorm" in name and name.endswith("weight"):
+        full += 1.0
+    return full
 
 
-@torch.no_grad()
 def init_by_global_name(model, spec: TinyGPT) -> None:
     """Every weight drawn from a generator seeded by its global name, then TP-sharded."""
-    import zlib
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for chunk in model:
-        for name, param in chunk.module.named_parameters():
-            gname = global_param_name(name, spec)
-            sharded = tp > 1 and getattr(param, "tensor_model_parallel", False)
-            shape = list(param.shape)
-            if sharded:
-                shape[param.partition_dim] *= tp
-            gen = torch.Generator().manual_seed(spec.seed + zlib.crc32(gname.encode()))
-            full = torch.randn(shape, generator=gen) * 0.05
-            if "layernorm" in gname and gname.endswith("weight"):
-                full += 1.0
-            if sharded:
-                full = full.chunk(tp, dim=param.partition_dim)[tp_rank]
-            param.data.copy_(full)
+    layout_invariant_init.init_by_global_name(model, spec.seed, _tiny_values)
 
 
 def global_batch(spec: TinyGPT, iteration: int) -> torch.Tensor:
@@ -201,13 +169,14 @@ def full_named_params(model, spec: Optional[TinyGPT] = None) -> dict[str, torch.
     group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     for index, chunk in enumerate(model):
-        for name, param in chunk.module.named_parameters():
+        names = layout_invariant_init.global_param_names(chunk)
+        for name, param in layout_invariant_init.innermost_module(chunk).named_parameters():
             data = param.detach().clone()
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 parts = [torch.empty_like(data) for _ in range(tp)]
                 dist.all_gather(parts, data.contiguous(), group=group)
                 data = torch.cat(parts, dim=param.partition_dim)
-            key = global_param_name(name, spec) if spec is not None else f"{index}.{name}"
+            key = names[name] if spec is not None else f"{index}.{name}"
             out[key] = data
     return out
 

@@ -40,6 +40,7 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x DP")
     g.add_argument("--train-iters", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true", help="refused: fp16 loss scaling is not supported")
 
@@ -132,6 +133,9 @@ def _add_ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad-mode", default="stage-local", choices=["stage-local", "stale-global"],
                    help="2bw/simulated delay: clip by each pipeline stage's own gradient norm, or by the "
                         "previous step's global norm (gathered without blocking)")
+    g.add_argument("--layout-invariant-init", action="store_true",
+                   help="draw every weight from a generator seeded by --seed and its global name, so any "
+                        "TP/PP/EP layout starts from the same model (e.g. 2bw vs its --simulated-delay twin)")
     g.add_argument("--metrics-json", default=None, help="append one JSON object per iteration/evaluation")
     g.add_argument("--plot", default=None, help="PNG of train/validation loss, written at the end")
 

@@ -8,28 +8,19 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_async.model import build_gpt_chunks, wrap_ddp
+from megatron_async.model import build_gpt_chunks, moe_settings, wrap_ddp
 
 
 def transformer_config_from_args(args: argparse.Namespace, on_cpu: bool) -> TransformerConfig:
-    moe = {}
-    if args.num_experts:
-        moe = dict(
-            num_moe_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff > 0 else "none",
-            # Megatron's SequentialMLP adds expert biases in place on a view that
-            # autograd forbids; MoE models are trained without linear biases anyway.
-            add_bias_linear=False,
-        )
+    moe = moe_settings(args.num_experts, args.moe_router_topk, args.moe_token_dispatcher_type,
+                       args.moe_aux_loss_coeff)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         hidden_dropout=args.hidden_dropout,
+        init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
