@@ -107,3 +107,12 @@ def test_stale_global_clipping_uses_previous_steps_global_norm():
     # stale-global clipping is a different trajectory from stage-local clipping
     stage_local = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **{**COMMON, "clip_grad": 0.05}), 6)
     assert results[1]["losses"] != stage_local[1]["losses"]
+
+
+def test_2bw_with_expert_parallel_moe_and_stage_local_clipping():
+    """PP=2 x EP=2 (4 experts, all-to-all), clipping every step: expert gradient norms
+    sum over the stage's expert-parallel ranks, dense ones do not."""
+    moe = {**COMMON, "clip_grad": 0.05, "num_experts": 4, "moe_token_dispatcher_type": "alltoall"}
+    (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **moe), STEPS)
+    results = run_distributed(train_entry, 4, TinyGPT(pp=2, ep=2, schedule="2bw", **moe), STEPS)
+    _assert_equal_trajectory(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)

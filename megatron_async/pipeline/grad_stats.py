@@ -7,7 +7,8 @@ asynchronous pipeline re-creates the bubble that 2BW removes. `make_stage_local`
 points each (sub-)optimizer at the ranks of its own stage instead:
 
 - non-distributed optimizer: the tensor-parallel group (gradients are replicated
-  across data-parallel ranks after the all-reduce, so DP must not be summed);
+  across data-parallel ranks after the all-reduce, so DP must not be summed), and
+  for Megatron's expert sub-optimizer the expert tensor x expert-parallel group;
 - distributed optimizer: tensor x data parallel ranks of the stage (each DP rank
   holds a shard of the reduced gradient);
 - Megatron's layer-wise distributed optimizer (emerging optimizers such as Muon
@@ -28,10 +29,23 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def stage_local_group(distributed: bool):
+def stage_local_group(distributed: bool, expert: bool = False):
+    """Ranks of this stage over which a (sub-)optimizer's gradient statistics sum.
+
+    Expert weights differ across expert-parallel ranks, so their statistics also
+    sum over those (Megatron's expert sub-optimizer is built apart for this); with
+    the distributed optimizer every rank of the stage holds its own shard of both.
+    """
     if distributed:
         return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if expert:
+        return parallel_state.get_expert_tensor_and_model_parallel_group()
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def _holds_expert_weights(sub) -> bool:
+    # Megatron marks expert-parallel parameters with allreduce=False
+    return any(not getattr(p, "allreduce", True) for p in sub.get_parameters())
 
 
 def _is_layer_wise(optimizer) -> bool:
@@ -44,7 +58,7 @@ def make_stage_local(optimizer, distributed: bool) -> None:
     layer_wise = _is_layer_wise(optimizer)
     group = stage_local_group(distributed or layer_wise)
     for sub in _sub_optimizers(optimizer):
-        sub.grad_stats_parallel_group = group
+        sub.grad_stats_parallel_group = stage_local_group(distributed or layer_wise, _holds_expert_weights(sub))
     if layer_wise:
         _layer_wise_stage_local(optimizer, group)
 

@@ -269,8 +269,6 @@ def _check_async_args(args: argparse.Namespace) -> None:
     _require(not args.calculate_per_token_loss,
              f"{what} does not support --calculate-per-token-loss: the batch token count would be "
              "broadcast across pipeline stages at every step")
-    _require(args.expert_model_parallel_size == 1,
-             f"{what} does not support --expert-model-parallel-size > 1 yet")
 
 
 def _check_optimizer_name(name: str) -> None:
