@@ -25,5 +25,9 @@ test: setup
 demo: setup
 	bash examples/demo.sh
 
+# Benchmarks (minutes to an hour on 2 cores; results and commands in docs/benchmarks.md)
+bench: setup
+	$(PY) -m bench.pipeline_throughput --json out/bench/pipeline_throughput.json --plot-dir out/bench
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -125,6 +125,7 @@ def _train(args, device: str) -> int:
     extra = {"weight_stash": stash} if stash is not None else {}
     checkpointer = Checkpointer(args, model, optimizer, scheduler, extra) if (args.save or args.load) else None
     start = checkpointer.load() if (checkpointer and args.load) else 0
+    run_log.open_metrics(resumed_from=start)
     trainer = Trainer(args, model, config, optimizer, scheduler, train_ds, valid_ds, run_log, checkpointer,
                       stash=stash, start_iteration=start)
     last_val = trainer.run(start_iteration=start)

@@ -136,7 +136,7 @@ def _add_ours(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layout-invariant-init", action="store_true",
                    help="draw every weight from a generator seeded by --seed and its global name, so any "
                         "TP/PP/EP layout starts from the same model (e.g. 2bw vs its --simulated-delay twin)")
-    g.add_argument("--metrics-json", default=None, help="append one JSON object per iteration/evaluation")
+    g.add_argument("--metrics-json", default=None, help="one JSON object per iteration/evaluation (replaced by a fresh run, continued by --load)")
     g.add_argument("--plot", default=None, help="PNG of train/validation loss, written at the end")
 
 

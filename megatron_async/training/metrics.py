@@ -35,9 +35,31 @@ class RunLog:
         self._window: list[dict] = []
         self._start = time.monotonic()
         self._file = None
-        if enabled and metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-            self._file = open(metrics_path, "a", encoding="utf-8")
+        self._metrics_path = metrics_path if enabled else None
+
+    def open_metrics(self, resumed_from: int = 0) -> None:
+        """Start the metrics file: a fresh run replaces it; a run resumed at iteration
+        t keeps the records up to t (dropping any later ones a crashed run left) and
+        appends, so the file and the final plot cover the whole run once."""
+        path = self._metrics_path
+        if not path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        kept = []
+        if resumed_from and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut short by a crash
+                    if record.get("iteration", 0) <= resumed_from:
+                        kept.append(record)
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        self.train = [(r["iteration"], r["lm_loss"]) for r in kept if r.get("lm_loss") is not None]
+        self.valid = [(r["iteration"], r["val_loss"]) for r in kept if "val_loss" in r]
+        self._file = open(path, "a", encoding="utf-8")
 
     def _write(self, record: dict) -> None:
         if self._file:
