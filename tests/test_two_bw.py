@@ -70,9 +70,11 @@ def test_2bw_differs_from_synchronous_training():
 LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL = 1e-4, 1e-3, 1e-5
 
 
-def test_2bw_with_data_parallel_distributed_optimizer():
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True])
+def test_2bw_with_data_parallel_distributed_optimizer(overlap_grad_reduce):
     ref = _reference(use_distributed_optimizer=True)
-    spec = TinyGPT(pp=2, schedule="2bw", use_distributed_optimizer=True, **COMMON)
+    spec = TinyGPT(pp=2, schedule="2bw", use_distributed_optimizer=True, overlap_grad_reduce=overlap_grad_reduce,
+                   **COMMON)
     _assert_equal_trajectory(ref, run_distributed(train_entry, 4, spec, STEPS),
                              LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
 

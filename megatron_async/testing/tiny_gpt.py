@@ -43,6 +43,7 @@ class TinyGPT:
     moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "alltoall"
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
     optimizer: str = "adam"
     lr: float = 1e-2
     clip_grad: float = 1.0
@@ -88,6 +89,7 @@ def build(spec: TinyGPT):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=spec.use_distributed_optimizer,
+        overlap_grad_reduce=spec.overlap_grad_reduce,
     )
     model = wrap_ddp(chunks, config, ddp_config)
     if spec.init_by_name:
