@@ -46,6 +46,37 @@ def test_missing_tokenizer_is_refused(fake_dataset, monkeypatch, capsys):
 
 
 def test_every_rank_exits_without_hanging():
-    result = torchrun_pretrain(BASE + ["--global-batch-size", "6", "--micro-batch-size", "4"], nproc=2, timeout_s=120)
+    """Under torchrun the job fails fast (torchrun may stop the other rank once one has
+    exited, so at least one message is certain)."""
+    args = BASE + ["--global-batch-size", "6", "--micro-batch-size", "4"]
+    result = torchrun_pretrain(args, nproc=2, timeout_s=120)
     assert result.returncode != 0
-    assert result.stdout.count("error: --global-batch-size") == 2, result.stdout[-3000:]
+    assert "error: --global-batch-size" in result.stdout, result.stdout[-3000:]
+
+
+def test_each_rank_refuses_on_its_own():
+    """Two ranks started side by side without torchrun (nothing stops either): each
+    prints the message and exits 2 before any collective, so neither waits for the other."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = BASE + ["--global-batch-size", "6", "--micro-batch-size", "4"]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_async.pretrain_gpt", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        for rank, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 2, (rank, out[-3000:])
+            assert "error: --global-batch-size" in out, (rank, out[-3000:])
+    finally:
+        for proc in procs:
+            proc.kill()
