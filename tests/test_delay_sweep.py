@@ -1,0 +1,38 @@
+"""bench/delay_sweep.py keeps working: --quick runs, summarises, plots and resumes."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _sweep(out, data):
+    cmd = [sys.executable, "-m", "bench.delay_sweep", "--quick", "--out", str(out), "--data", str(data)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
+    out = tmp_path / "sweep"
+    first = _sweep(out, small_corpus)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["table"]) == {"adam", "muon"}
+    for opt, row in summary["table"].items():
+        for mode in ("sync", "async"):
+            assert all(math.isfinite(v) for v in row[mode]["runs"]), (opt, mode, row)
+        assert row["gap"] == row["async"]["mean"] - row["sync"]["mean"]
+        # each run trained: its last validation loss is below its first
+        for name, seconds in summary["run_seconds"].items():
+            result = json.loads((out / "runs" / name / "result.json").read_text())
+            assert result["val_curve"][-1][1] < result["val_curve"][0][1], name
+    table = (out / "table.md").read_text()
+    assert "| adam |" in table and "| muon |" in table
+    assert (out / "reproduction_adam.png").read_bytes()[:4] == b"\x89PNG"
+    assert first.count("skipped") == 0
+    # a second invocation finds every run done and only rebuilds the summary
+    second = _sweep(out, small_corpus)
+    assert second.count("skipped (done before)") == 4, second
