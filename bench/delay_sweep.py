@@ -143,7 +143,8 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float) ->
 
 def run_all(runs: list[Run], model: Model, data: Path, root: Path, parallel: int, timeout_s: float,
             done: list[int], total: int, t0: float) -> dict[str, dict]:
-    """Run `runs` `parallel` at a time, printing a progress line per finished run."""
+    """Run `runs` `parallel` at a time, printing a progress line per finished run.
+    `done` counts [finished, skipped] across calls, for the ETA."""
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         futures = {pool.submit(execute, r, model, data, root, timeout_s): r for r in runs}
@@ -151,10 +152,9 @@ def run_all(runs: list[Run], model: Model, data: Path, root: Path, parallel: int
             result = future.result()
             results[result["name"]] = result
             done[0] += 1
+            done[1] += bool(result.get("skipped"))
             elapsed = time.monotonic() - t0
-            fresh = done[0] - done[1]
-            if result.get("skipped"):
-                done[1] += 1
+            fresh = done[0] - done[1]  # runs that trained in this invocation
             eta = elapsed / max(fresh, 1) * (total - done[0]) if fresh else float("nan")
             state = "skipped (done before)" if result.get("skipped") else f"{result['seconds']:.0f} s"
             print(f"[{done[0]:3d}/{total}] {result['name']:34s} final val {result['final_val_loss']:.4f} "
