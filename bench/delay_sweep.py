@@ -254,6 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 150)")
     p.add_argument("--parallel", type=int, default=2, help="runs at once (one core each)")
     p.add_argument("--no-twin", action="store_true", help="skip the 2bw PP=2 vs simulated-twin pair")
+    p.add_argument("--twin-optimizer", default="adam", help="optimizer of the 2bw PP=2 vs twin pair")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="adam and muon, sync and async, 20 iterations, 1 seed, fixed lr: a smoke test")
@@ -302,7 +303,7 @@ def main(argv=None) -> int:
                  if run_name(o, best_lr[o], m, s) not in results]
     twin = None
     if twin_runs:
-        opt = "muon" if "muon" in optimizers else optimizers[0]
+        opt = args.twin_optimizer if args.twin_optimizer in optimizers else optimizers[0]
         init = ["--layout-invariant-init"]
         main_runs += [
             Run(run_name(opt, best_lr[opt], "async", 0, "_2bw_pp2"), opt, best_lr[opt], "sync", 0, nproc=2,
