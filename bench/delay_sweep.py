@@ -43,8 +43,8 @@ BIN = Path(sys.executable).parent
 # layer and 1-D parameters share one --lr on the AdamW scale.
 LR_GRID = {
     "adam": [1e-3, 2e-3, 4e-3],
-    "muon": [2e-3, 4e-3, 8e-3],
-    "lion": [2e-4, 5e-4, 1e-3],
+    "muon": [2e-3, 4e-3, 8e-3, 1.6e-2],
+    "lion": [2e-4, 5e-4, 1e-3, 2e-3],
     "soap": [1e-3, 2e-3, 4e-3],
 }
 OPTIMIZER_FLAGS = {
@@ -185,7 +185,7 @@ def summarise(optimizers, best_lr, results, seeds) -> dict:
     return table
 
 
-def markdown(table: dict, twin: dict | None) -> str:
+def markdown(table: dict, twins: list[dict]) -> str:
     lines = ["| optimizer | best lr | sync | async (delay 1) | async + EF | gap async − sync | EF recovers |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     fmt = lambda cell: f"{cell['mean']:.4f} ± {cell['std']:.4f}" if cell else "–"
@@ -199,10 +199,11 @@ def markdown(table: dict, twin: dict | None) -> str:
         rec = (paper["async"] - paper["async+ef"]) / gap
         lines.append(f"| {opt} (paper, 360M) | | {paper['sync']:.3f} | {paper['async']:.3f} | "
                      f"{paper['async+ef']:.3f} | {gap:+.3f} | {100 * rec:.0f}% |")
-    if twin:
-        lines += ["", f"2bw PP=2 vs its `--simulated-delay 1` twin ({twin['config']}): max |Δ loss| over "
-                      f"{twin['iterations']} iterations {twin['max_abs_loss_diff']:.2e}, final validation "
-                      f"{twin['2bw_final_val']:.4f} vs {twin['twin_final_val']:.4f}."]
+    for twin in twins:
+        lines += ["", f"2bw PP=2 vs its `--simulated-delay 1` twin ({twin['config']}): max |Δ train loss| over "
+                      f"{twin['iterations']} iterations {twin['max_abs_loss_diff']:.2e}, max |Δ val loss| "
+                      f"{twin['max_abs_val_diff']:.2e}, final validation {twin['2bw_final_val']:.4f} vs "
+                      f"{twin['twin_final_val']:.4f}."]
     return "\n".join(lines) + "\n"
 
 
@@ -254,7 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 150)")
     p.add_argument("--parallel", type=int, default=2, help="runs at once (one core each)")
     p.add_argument("--no-twin", action="store_true", help="skip the 2bw PP=2 vs simulated-twin pair")
-    p.add_argument("--twin-optimizer", default="adam", help="optimizer of the 2bw PP=2 vs twin pair")
+    p.add_argument("--twin-optimizer", default="adam",
+                   help="optimizer(s), comma-separated, of the 2bw PP=2 vs simulated-twin pairs")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="adam and muon, sync and async, 20 iterations, 1 seed, fixed lr: a smoke test")
@@ -286,10 +288,12 @@ def main(argv=None) -> int:
 
     searches = [Run(run_name(o, lr, "sync", 0), o, lr, "sync", 0) for o in optimizers for lr in LR_GRID_ACTIVE[o]]
     per_opt_main = (len(modes) * len(seeds)) - 1  # sync seed 0 comes from the search
-    twin_runs = 0 if (args.quick or args.no_twin) else 2
+    twin_opts = [] if (args.quick or args.no_twin) else \
+        [o for o in args.twin_optimizer.split(",") if o in optimizers] or optimizers[:1]
+    twin_runs = 2 * len(twin_opts)
     total = len(searches) + len(optimizers) * per_opt_main + twin_runs
-    print(f"delay sweep: {len(optimizers)} optimizers x ({len(LR_GRID_ACTIVE[optimizers[0]])} lr + "
-          f"{len(modes)} modes x {len(seeds)} seeds) = {total} runs, {args.parallel} at a time; "
+    print(f"delay sweep: {len(searches)} lr-search runs + {len(optimizers)} optimizers x {len(modes)} modes x "
+          f"{len(seeds)} seeds + {twin_runs} twin runs = {total} runs, {args.parallel} at a time; "
           f"GPT {model.num_layers}L/{model.hidden_size}H, seq {model.seq_length}, {model.global_batch_size} "
           f"sequences/step, {model.iters} steps; out {root}", flush=True)
     t0, done = time.monotonic(), [0, 0]
@@ -301,10 +305,8 @@ def main(argv=None) -> int:
     main_runs = [Run(run_name(o, best_lr[o], m, s), o, best_lr[o], m, s)
                  for o in optimizers for m in modes for s in seeds
                  if run_name(o, best_lr[o], m, s) not in results]
-    twin = None
-    if twin_runs:
-        opt = args.twin_optimizer if args.twin_optimizer in optimizers else optimizers[0]
-        init = ["--layout-invariant-init"]
+    init = ["--layout-invariant-init"]
+    for opt in twin_opts:
         main_runs += [
             Run(run_name(opt, best_lr[opt], "async", 0, "_2bw_pp2"), opt, best_lr[opt], "sync", 0, nproc=2,
                 extra=init + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]),
@@ -312,21 +314,24 @@ def main(argv=None) -> int:
                 extra=init + ["--simulated-pipeline-stages", "2"]),
         ]
     results.update(run_all(main_runs, model, data, root, args.parallel, args.timeout, done, total, t0))
-    if twin_runs:
+    twins = []
+    for opt in twin_opts:
         a = results[run_name(opt, best_lr[opt], "async", 0, "_2bw_pp2")]
         b = results[run_name(opt, best_lr[opt], "async", 0, "_twin_pp1")]
         diffs = [abs(x[1] - y[1]) for x, y in zip(a["train_curve"], b["train_curve"])]
-        twin = dict(config=f"{opt}, lr {best_lr[opt]:g}, seed 0", iterations=len(diffs),
-                    max_abs_loss_diff=max(diffs), **{"2bw_final_val": a["final_val_loss"],
-                                                     "twin_final_val": b["final_val_loss"]})
+        vdiffs = [abs(x[1] - y[1]) for x, y in zip(a["val_curve"], b["val_curve"])]
+        twins.append(dict(config=f"{opt}, lr {best_lr[opt]:g}, seed 0", iterations=len(diffs),
+                          max_abs_loss_diff=max(diffs), max_abs_val_diff=max(vdiffs),
+                          **{"2bw_final_val": a["final_val_loss"], "twin_final_val": b["final_val_loss"],
+                             "2bw_seconds": a["seconds"], "twin_seconds": b["seconds"]}))
 
     table = summarise(optimizers, best_lr, results, seeds)
-    summary = dict(model=model.__dict__, seeds=seeds, lr_grid=LR_GRID_ACTIVE, table=table, twin=twin,
+    summary = dict(model=model.__dict__, seeds=seeds, lr_grid=LR_GRID_ACTIVE, table=table, twin=twins,
                    wall_minutes=round((time.monotonic() - t0) / 60, 1),
                    run_seconds={n: r["seconds"] for n, r in results.items()},
                    commands={n: r["command"] for n, r in results.items()})
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
-    text = markdown(table, twin)
+    text = markdown(table, twins)
     (root / "table.md").write_text(text)
     pngs = plot(table, results, seeds, img_dir)
     print(text + "plots: " + ", ".join(pngs) + f"\nsummary: {root / 'summary.json'}", flush=True)
