@@ -4,7 +4,9 @@ PipeDream-2BW keeps exactly two versions per stage: the newest weights W(t), whi
 the optimizer owns and updates in place (Megatron DDP's parameter storage), and the
 previous version W(t-1), still used by microbatches that started before the last
 step. `depth` stashed versions generalise this to a simulated delay of `depth`
-steps (depth=1 is 2BW).
+steps (depth=1 is 2BW), and a version may be given per parameter, so parts of
+the model can run at different delays (a one-process model of a pipeline whose
+stages lag by different numbers of steps, as in original PipeDream).
 
 - The stash is flat buffers laid out exactly like Megatron DDP's parameter buffers
   (one per DDP buffer, same offsets), so saving a version is one copy per buffer.
@@ -22,9 +24,11 @@ steps (depth=1 is 2BW).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
+
+Version = Union[int, tuple[int, ...]]  # one version for every parameter, or one per parameter
 
 
 class WeightStashManager:
@@ -71,11 +75,20 @@ class WeightStashManager:
             f"weight version {version} is not held (newest {self.newest}, stash {sorted(set(self._slot_version))})"
         )
 
-    def point_to(self, version: int) -> None:
-        """Make every parameter's data the weights of `version`."""
+    def _storages(self, version: Version) -> list[torch.Tensor]:
+        if isinstance(version, int):
+            return self._storage(version)
+        if len(version) != len(self.params):
+            raise ValueError(f"{len(version)} per-parameter versions for {len(self.params)} parameters")
+        by_version = {v: self._storage(v) for v in set(version)}
+        return [by_version[v][i] for i, v in enumerate(version)]
+
+    def point_to(self, version: Version) -> None:
+        """Make every parameter's data the weights of `version`: one version for all,
+        or a tuple with one version per parameter (in the order of `self.params`)."""
         if version == self._pointed:
             return
-        for param, data in zip(self.params, self._storage(version)):
+        for param, data in zip(self.params, self._storages(version)):
             param.data = data
         self._pointed = version
 
@@ -83,8 +96,8 @@ class WeightStashManager:
         return sorted({self.newest, *self._slot_version})
 
     @contextlib.contextmanager
-    def use(self, version: int) -> Iterator[None]:
-        """Run a forward at `version`; its backward will see the same weights."""
+    def use(self, version: Version) -> Iterator[None]:
+        """Run a forward at `version` (see `point_to`); its backward will see the same weights."""
         self.point_to(version)
         index = self._index
 

@@ -76,6 +76,19 @@ def test_2bw_in_the_trainer_equals_its_simulated_delay_twin(tmp_path):
     assert two_bw[1][6] == pytest.approx(twin[1][6], rel=1e-5, abs=0)
     assert max(abs(sync[0][it] - twin[0][it]) for it in range(3, 9)) > 1e-4  # the delay is visible
 
+
+def test_stage_delay_list_in_the_trainer(tmp_path):
+    """`--simulated-delay 1,1` is `--simulated-delay 1 --simulated-pipeline-stages 2`;
+    `1,0` (the last stage current) is another trajectory. Exactness of per-stage
+    delays against an independent reference: tests/test_stage_delays.py."""
+    common = MODEL + ["--clip-grad", "0.1", "--lr", "3e-3"]
+    listed = _train_losses(tmp_path, "listed", common + ["--simulated-delay", "1,1"], 1)
+    twin = _train_losses(tmp_path, "twin", common + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"], 1)
+    mixed = _train_losses(tmp_path, "mixed", common + ["--simulated-delay", "1,0"], 1)
+    assert listed == twin
+    assert max(abs(mixed[0][it] - twin[0][it]) for it in range(3, 9)) > 1e-5
+
+
 REFUSALS = {
     "tied embeddings": ([a for a in TWO_BW if a != "--untie-embeddings-and-output-weights"], 2,
                         "--untie-embeddings-and-output-weights"),
@@ -86,6 +99,9 @@ REFUSALS = {
                              "at least 3 microbatches"),
     "simulated delay with pipelining": (MODEL + ["--pipeline-model-parallel-size", "2", "--simulated-delay", "1"],
                                         2, "--simulated-delay"),
+    "stage delays that do not split the layers": (MODEL + ["--simulated-delay", "1,0,0"], 1, "--simulated-delay"),
+    "stage delays vs stages": (MODEL + ["--simulated-delay", "1,0", "--simulated-pipeline-stages", "1"], 1,
+                               "lists 2 stage delays"),
     "simulation-only schedule": (MODEL + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"],
                                  2, "can only be simulated"),
 }

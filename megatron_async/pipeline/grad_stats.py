@@ -101,7 +101,7 @@ def _layer_wise_stage_local(optimizer, group) -> None:
     optimizer.count_zeros = types.MethodType(count_zeros, optimizer)
 
 
-def _stage_of(name: str, num_layers: int, num_stages: int) -> int:
+def stage_of_parameter(name: str, num_layers: int, num_stages: int) -> int:
     """Pipeline stage that would own parameter `name` of an unsplit GPT."""
     parts = name.split(".")
     if "layers" in parts:
@@ -128,6 +128,6 @@ def clip_like_pipeline_stages(model, num_layers: int, num_stages: int) -> None:
     mcore_optimizer.SEPARATE_GRAD_NORM_GROUPS = mcore_optimizer.SEPARATE_GRAD_NORM_GROUPS + missing
     for chunk in model:
         for name, param in chunk.named_parameters():
-            stage = _stage_of(name, num_layers, num_stages)
+            stage = stage_of_parameter(name, num_layers, num_stages)
             if stage > 0:
                 setattr(param, mcore_optimizer.GRAD_NORM_GROUP_ATTR, f"pipeline-stage-{stage}")

@@ -25,6 +25,7 @@ from megatron_async.forward_step import gpt_forward_step, reduce_lm_loss
 from megatron_async.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
 from megatron_async.parallel import init_model_parallel
 from megatron_async.schedules.registry import get_forward_backward_func
+from megatron_async.simulated_delay import version_for_step
 
 
 @dataclass
@@ -50,6 +51,7 @@ class TinyGPT:
     seed: int = 1234
     schedule: Optional[str] = None  # default: no-pipelining for PP=1, 1f1b otherwise; or "2bw"
     simulated_delay: int = 0  # K > 0: gradients at the weights of K steps ago (PP=1 reference for 2bw)
+    stage_delays: tuple = ()  # PP=1: one delay per would-be stage instead (layers split evenly)
     init_by_name: bool = False  # layout-independent init, so different PP/TP layouts start equal
     clip_stages: int = 1  # PP=1 only: clip like a pipeline of this many stages (stage-local norms)
     clip_grad_mode: str = "stage-local"  # 2bw: or "stale-global"
@@ -231,13 +233,14 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
         return _result(spec, model, losses, grads_present, rank, extra)
 
     forward_backward = get_forward_backward_func(schedule)
-    stash = WeightStashManager(model, depth=spec.simulated_delay) if spec.simulated_delay else None
+    delays = spec.stage_delays or (spec.simulated_delay,)
+    stash = WeightStashManager(model, depth=max(delays)) if max(delays) else None
+    version = version_for_step(model, stash, delays, spec.num_layers) if stash else None
     for iteration in range(iterations):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        version = max(iteration - spec.simulated_delay, 0)
-        with (stash.use(version) if stash else contextlib.nullcontext()):
+        with (stash.use(version(iteration)) if stash else contextlib.nullcontext()):
             reduced = forward_backward(
                 forward_step_func=gpt_forward_step,
                 data_iterator=microbatches(spec, iteration),

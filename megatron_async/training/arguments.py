@@ -12,6 +12,8 @@ import argparse
 import os
 from typing import Optional, Sequence
 
+from megatron_async.simulated_delay import parse_delays
+
 
 class ArgumentError(ValueError):
     """A bad flag value or combination; the message names the flag."""
@@ -124,10 +126,12 @@ def _add_ours(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("megatron-async")
     g.add_argument("--pipeline-schedule", default=None, help="registered schedule; default 1f1b with PP>1")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--simulated-delay", type=int, default=0, metavar="K",
+    g.add_argument("--simulated-delay", type=parse_delays, default="0", metavar="K|D0,...,DP-1",
                    help="compute the gradient of step t at the weights of step max(t-K, 0) (PP=1); "
-                        "K=1 is 2bw's rule, the reference 2bw must equal")
-    g.add_argument("--simulated-pipeline-stages", type=int, default=1, metavar="P",
+                        "K=1 is 2bw's rule, the reference 2bw must equal. A list gives each of P would-be "
+                        "pipeline stages its own delay (3,2,1,0 is original PipeDream's at P=4) and "
+                        "implies --simulated-pipeline-stages P")
+    g.add_argument("--simulated-pipeline-stages", type=int, default=None, metavar="P",
                    help="with --simulated-delay: clip each of P would-be pipeline stages by its own norm, "
                         "reproducing a P-stage 2bw run with --clip-grad-mode stage-local exactly")
     g.add_argument("--clip-grad-mode", default="stage-local", choices=["stage-local", "stale-global"],
@@ -243,15 +247,26 @@ def _check_async_args(args: argparse.Namespace) -> None:
     from megatron_async.schedules.gen_2bw import min_microbatches_2bw
 
     pp = args.pipeline_model_parallel_size
-    _require(args.simulated_delay >= 0, f"--simulated-delay must be >= 0 (got {args.simulated_delay})")
+    delays = args.simulated_delay
+    if isinstance(delays, int):  # a Namespace built in code
+        delays = (delays,)
+    args.simulated_delay = max(delays)
+    args.simulated_stage_delays = delays if len(set(delays)) > 1 else None
+    if args.simulated_pipeline_stages is None:
+        args.simulated_pipeline_stages = len(delays) if len(delays) > 1 else 1
+    _require(len(delays) == 1 or len(delays) == args.simulated_pipeline_stages,
+             f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is "
+             f"{args.simulated_pipeline_stages}")
+    _require(args.simulated_pipeline_stages >= 1,
+             f"--simulated-pipeline-stages must be >= 1 (got {args.simulated_pipeline_stages})")
     if args.simulated_delay:
         _require(pp == 1, "--simulated-delay models 2bw's delay without pipelining: it needs "
                           f"--pipeline-model-parallel-size 1 (got {pp}); use --pipeline-schedule 2bw with PP > 1")
     if args.simulated_pipeline_stages > 1:
         _require(args.simulated_delay > 0, "--simulated-pipeline-stages needs --simulated-delay")
         _require(args.num_layers % args.simulated_pipeline_stages == 0,
-                 f"--num-layers ({args.num_layers}) is not divisible by --simulated-pipeline-stages "
-                 f"({args.simulated_pipeline_stages})")
+                 f"--num-layers ({args.num_layers}) is not divisible by the {args.simulated_pipeline_stages} "
+                 "stages of --simulated-pipeline-stages / --simulated-delay")
     if args.pipeline_schedule != "2bw" and not args.simulated_delay:
         return
     what = "--pipeline-schedule 2bw" if args.pipeline_schedule == "2bw" else "--simulated-delay"

@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_async.forward_step import gpt_forward_step
 from megatron_async.schedules.registry import get_forward_backward_func, get_runtime
+from megatron_async.simulated_delay import version_for_step
 from megatron_async.training.data import microbatch_iterator
 from megatron_async.training.metrics import RunLog
 
@@ -62,7 +63,8 @@ class Trainer:
 
     Megatron's schedules run one flushed forward-backward per iteration; `2bw`
     keeps a persistent pipeline (TwoBWRunner) whose state spans iterations;
-    `--simulated-delay K` runs Megatron's schedule at the weights of K steps ago.
+    `--simulated-delay K` runs Megatron's schedule at the weights of K steps ago
+    (or each would-be stage at its own delay, see megatron_async.simulated_delay).
     """
 
     def __init__(self, args: argparse.Namespace, model, config, optimizer, scheduler,
@@ -92,6 +94,9 @@ class Trainer:
             )
         else:
             self.forward_backward = get_forward_backward_func(args.pipeline_schedule)
+        if args.simulated_delay:
+            self.delayed_version = version_for_step(
+                model, stash, args.simulated_stage_delays or (args.simulated_delay,), args.num_layers)
         self.stale_norm = None
         if args.simulated_delay and args.clip_grad_mode == "stale-global":
             from megatron_async.pipeline.stale_global import StaleGlobalNorm
@@ -125,7 +130,7 @@ class Trainer:
             self.optimizer.zero_grad()
             batches = (self.train_ds, iteration, self.args.global_batch_size, self.args.micro_batch_size)
             delay = self.args.simulated_delay
-            at_version = self.stash.use(max(iteration - delay, 0)) if delay else contextlib.nullcontext()
+            at_version = self.stash.use(self.delayed_version(iteration)) if delay else contextlib.nullcontext()
             with at_version:
                 losses = self._run_schedule(batches, forward_only=False)
             stale = self.stale_norm.step() if self.stale_norm else contextlib.nullcontext()
