@@ -43,8 +43,8 @@ BIN = Path(sys.executable).parent
 # layer and 1-D parameters share one --lr on the AdamW scale.
 LR_GRID = {
     "adam": [1e-3, 2e-3, 4e-3, 8e-3],
-    "muon": [2e-3, 4e-3, 8e-3, 1.6e-2],
-    "lion": [2e-4, 5e-4, 1e-3, 2e-3],
+    "muon": [4e-3, 8e-3, 1.6e-2, 3.2e-2],
+    "lion": [5e-4, 1e-3, 2e-3, 4e-3],
     "soap": [5e-4, 1e-3, 2e-3, 4e-3],
 }
 OPTIMIZER_FLAGS = {
