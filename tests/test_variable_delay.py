@@ -1,0 +1,32 @@
+"""bench/variable_delay.py keeps working: --quick runs both delayed variants at P in {2, 4}."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_quick_variable_delay_ablation(small_corpus, tmp_path):
+    out = tmp_path / "vd"
+    cmd = [sys.executable, "-m", "bench.variable_delay", "--quick", "--out", str(out), "--data", str(small_corpus)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["table"]) == {"sync", "P=2", "P=4"}
+    for key in ("P=2", "P=4"):
+        for variant in ("constant", "pipedream"):
+            cell = summary["table"][key][variant]
+            assert math.isfinite(cell["mean"]), (key, variant)
+            assert cell["gap"] == cell["mean"] - summary["table"]["sync"]["mean"]
+    # each variant ran with its own delays, and every run trained
+    commands = summary["commands"]
+    assert "--simulated-delay 3,2,1,0" in commands["muon_lr0.008_pipedream_p4_s0"]
+    assert "--simulated-delay 1 --simulated-pipeline-stages 4" in commands["muon_lr0.008_constant_p4_s0"]
+    for name in commands:
+        curve = json.loads((out / "runs" / name / "result.json").read_text())["val_curve"]
+        assert curve[-1][1] < curve[0][1], name
+    assert "| 4 |" in (out / "table.md").read_text()
+    assert (out / "variable_delay.png").read_bytes()[:4] == b"\x89PNG"
