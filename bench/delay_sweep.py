@@ -244,6 +244,17 @@ def plot(table, results, seeds, img_dir: Path) -> list[str]:
     return paths
 
 
+def prepare_dirs(out: str, data: str, img_dir) -> tuple[Path, Path, Path]:
+    """Absolute output, data and image directories; prepares the corpus if it is missing."""
+    root, data_dir = Path(out).resolve(), Path(data).resolve()
+    img = Path(img_dir).resolve() if img_dir else root
+    root.mkdir(parents=True, exist_ok=True)
+    img.mkdir(parents=True, exist_ok=True)
+    if not (data_dir / "tokenizer.model").exists():
+        subprocess.run([str(BIN / "megatron-async-prepare-data"), "--out", str(data_dir)], check=True)
+    return root, data_dir, img
+
+
 def main(argv=None) -> int:
     global LR_GRID_ACTIVE, QUICK
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -263,12 +274,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     QUICK = args.quick
-    root, data = Path(args.out).resolve(), Path(args.data).resolve()
-    img_dir = Path(args.img_dir).resolve() if args.img_dir else root
-    root.mkdir(parents=True, exist_ok=True)
-    img_dir.mkdir(parents=True, exist_ok=True)
-    if not (data / "tokenizer.model").exists():
-        subprocess.run([str(BIN / "megatron-async-prepare-data"), "--out", str(data)], check=True)
+    root, data, img_dir = prepare_dirs(args.out, args.data, args.img_dir)
 
     model = Model()
     optimizers = args.optimizers.split(",") if not args.quick else ["adam", "muon"]

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.delay_sweep import BIN, Model, Run, mean_std, run_all
+from bench.delay_sweep import Model, Run, mean_std, prepare_dirs, run_all
 from megatron_async.simulated_delay import pipedream_delays
 
 LR_GRID = [4e-3, 8e-3, 1.6e-2]
@@ -130,12 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="P in {2, 4}, a 4-layer model, 20 iterations, 1 seed")
     args = p.parse_args(argv)
 
-    root, data = Path(args.out).resolve(), Path(args.data).resolve()
-    img_dir = Path(args.img_dir).resolve() if args.img_dir else root
-    root.mkdir(parents=True, exist_ok=True)
-    img_dir.mkdir(parents=True, exist_ok=True)
-    if not (data / "tokenizer.model").exists():
-        subprocess.run([str(BIN / "megatron-async-prepare-data"), "--out", str(data)], check=True)
+    root, data, img_dir = prepare_dirs(args.out, args.data, args.img_dir)
     # Deep and narrow, so that P = 16 still gives every stage a whole layer.
     model = Model(num_layers=16, hidden_size=64, heads=4)
     stages = [int(s) for s in args.stages.split(",")]
