@@ -207,6 +207,31 @@ def markdown(table: dict, twins: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def momentum_run_name(lr: float, momentum: float, mode: str, seed: int) -> str:
+    return run_name("muon", lr, mode, seed, f"_m{momentum:g}")
+
+
+def momentum_row(finals: list[list[float]]) -> dict:
+    """{sync, async: mean/std/runs, gap} from [sync finals, async finals]."""
+    row = {mode: dict(zip(("mean", "std"), mean_std(f)), runs=f) for mode, f in zip(("sync", "async"), finals)}
+    row["gap"] = row["async"]["mean"] - row["sync"]["mean"]
+    return row
+
+
+def momentum_markdown(momentum: dict, muon_row) -> str:
+    if not momentum:
+        return ""
+    rows = dict(momentum)
+    if muon_row:
+        rows[OPTIMIZER_FLAGS["muon"][1] + " (main table)"] = muon_row
+    fmt = lambda cell: f"{cell['mean']:.4f} ± {cell['std']:.4f}"
+    lines = ["", "Muon momentum (same lr and seeds):", "",
+             "| --muon-momentum | sync | async (delay 1) | gap |", "| --- | --- | --- | --- |"]
+    for key, row in sorted(rows.items()):
+        lines.append(f"| {key} | {fmt(row['sync'])} | {fmt(row['async'])} | {row['gap']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(table, results, seeds, img_dir: Path) -> list[str]:
     import matplotlib
 
@@ -268,6 +293,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-twin", action="store_true", help="skip the 2bw PP=2 vs simulated-twin pair")
     p.add_argument("--twin-optimizer", default="adam",
                    help="optimizer(s), comma-separated, of the 2bw PP=2 vs simulated-twin pairs")
+    p.add_argument("--muon-momenta", default="",
+                   help="also run Muon sync and async at these --muon-momentum values (best lr, same seeds); "
+                        "the paper links robustness to delay with higher momentum")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="adam and muon, sync and async, 20 iterations, 1 seed, fixed lr: a smoke test")
@@ -297,7 +325,8 @@ def main(argv=None) -> int:
     twin_opts = [] if (args.quick or args.no_twin) else \
         [o for o in args.twin_optimizer.split(",") if o in optimizers] or optimizers[:1]
     twin_runs = 2 * len(twin_opts)
-    total = len(searches) + len(optimizers) * per_opt_main + twin_runs
+    momenta = [float(m) for m in args.muon_momenta.split(",") if m] if "muon" in optimizers else []
+    total = len(searches) + len(optimizers) * per_opt_main + twin_runs + 2 * len(seeds) * len(momenta)
     print(f"delay sweep: {len(searches)} lr-search runs + {len(optimizers)} optimizers x {len(modes)} modes x "
           f"{len(seeds)} seeds + {twin_runs} twin runs = {total} runs, {args.parallel} at a time; "
           f"GPT {model.num_layers}L/{model.hidden_size}H, seq {model.seq_length}, {model.global_batch_size} "
@@ -319,6 +348,9 @@ def main(argv=None) -> int:
             Run(run_name(opt, best_lr[opt], "async", 0, "_twin_pp1"), opt, best_lr[opt], "async", 0,
                 extra=init + ["--simulated-pipeline-stages", "2"]),
         ]
+    main_runs += [Run(momentum_run_name(best_lr["muon"], m, mode, s), "muon", best_lr["muon"], mode, s,
+                      extra=["--muon-momentum", f"{m:g}"])
+                  for m in momenta for mode in ("sync", "async") for s in seeds]
     results.update(run_all(main_runs, model, data, root, args.parallel, args.timeout, done, total, t0))
     twins = []
     for opt in twin_opts:
@@ -332,12 +364,15 @@ def main(argv=None) -> int:
                              "2bw_seconds": a["seconds"], "twin_seconds": b["seconds"]}))
 
     table = summarise(optimizers, best_lr, results, seeds)
+    momentum = {f"{m:g}": momentum_row([[results[momentum_run_name(best_lr["muon"], m, mode, s)]["final_val_loss"]
+                                         for s in seeds] for mode in ("sync", "async")]) for m in momenta}
     summary = dict(model=model.__dict__, seeds=seeds, lr_grid=LR_GRID_ACTIVE, table=table, twin=twins,
+                   muon_momentum=momentum,
                    wall_minutes=round((time.monotonic() - t0) / 60, 1),
                    run_seconds={n: r["seconds"] for n, r in results.items()},
                    commands={n: r["command"] for n, r in results.items()})
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
-    text = markdown(table, twins)
+    text = markdown(table, twins) + momentum_markdown(momentum, table.get("muon"))
     (root / "table.md").write_text(text)
     pngs = plot(table, results, seeds, img_dir)
     print(text + "plots: " + ", ".join(pngs) + f"\nsummary: {root / 'summary.json'}", flush=True)
