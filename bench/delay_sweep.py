@@ -45,7 +45,7 @@ LR_GRID = {
     "adam": [1e-3, 2e-3, 4e-3, 8e-3],
     "muon": [4e-3, 8e-3, 1.6e-2, 3.2e-2],
     "lion": [5e-4, 1e-3, 2e-3, 4e-3],
-    "soap": [5e-4, 1e-3, 2e-3, 4e-3],
+    "soap": [1e-3, 2e-3, 4e-3, 8e-3],
 }
 OPTIMIZER_FLAGS = {
     "muon": ["--muon-momentum", "0.95", "--muon-extra-scale-factor", "0.2"],
