@@ -99,17 +99,18 @@ def plot(table, results, stages, lr, seeds, path: Path) -> None:
     left.set_title(f"Muon, lr {lr:g}, mean of {len(seeds)} seed(s)")
     left.grid(alpha=0.3)
     left.legend()
-    p = stages[-1]
+    p, highest = stages[-1], sync["mean"]
     for v, runs in [("sync", [name("sync", 0, lr, s) for s in seeds])] + \
                    [(v, [name(v, p, lr, s) for s in seeds]) for v in colors]:
         curves = [results[n]["val_curve"] for n in runs]
         its = [it for it, _ in curves[0]]
         mean = [statistics.fmean(c[i][1] for c in curves) for i in range(len(its))]
         right.plot(its, mean, marker="o", ms=3, color=colors.get(v, "k"), label=labels.get(v, "sync"))
+        highest = max(highest, *mean)
     right.set_xlabel("iteration")
     right.set_ylabel("validation loss")
     right.set_title(f"P = {p}")
-    right.set_ylim(sync["mean"] - 0.3, sync["mean"] + 2.0)
+    right.set_ylim(sync["mean"] - 0.3, min(highest, sync["mean"] + 3.0) + 0.1)
     right.grid(alpha=0.3)
     right.legend()
     fig.tight_layout()
