@@ -29,7 +29,7 @@ from pathlib import Path
 from bench.delay_sweep import Model, Run, mean_std, prepare_dirs, run_all
 from megatron_async.simulated_delay import pipedream_delays
 
-LR_GRID = [4e-3, 8e-3, 1.6e-2]
+LR_GRID = [4e-3, 8e-3, 1.6e-2, 3.2e-2]
 OPTIMIZER = "muon"
 
 
