@@ -10,7 +10,7 @@ by its own gradient norm, as a real asynchronous pipeline must.
 For each P in --stages: sync (once), constant delay 1, PipeDream's delays; a
 short learning-rate search in sync mode first (seed 0). Every run is a
 `megatron-async-pretrain` subprocess under OUT/runs/ (resumable, as
-bench/delay_sweep.py, whose runner this reuses). Results: OUT/summary.json,
+bench/sweep_runner.py). Results: OUT/summary.json,
 OUT/table.md, and a PNG (final validation loss against P; curves at the largest P).
 
     .venv/bin/python -m bench.variable_delay --out out/variable_delay --img-dir docs/img
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.delay_sweep import Model, Run, mean_std, prepare_dirs, run_all
+from bench.sweep_runner import Model, Run, cell, prepare_dirs, run_all
 from megatron_async.simulated_delay import pipedream_delays
 
 LR_GRID = [4e-3, 8e-3, 1.6e-2, 3.2e-2]
@@ -51,11 +51,10 @@ def sync_run(lr: float, seed: int) -> Run:
 
 
 def summarise(stages, lr, seeds, results) -> dict:
-    cell = lambda names: dict(zip(("mean", "std"), mean_std([results[n]["final_val_loss"] for n in names])),
-                              runs=[results[n]["final_val_loss"] for n in names])
-    table = {"sync": cell([name("sync", 0, lr, s) for s in seeds])}
+    finals = lambda names: cell([results[n]["final_val_loss"] for n in names])
+    table = {"sync": finals([name("sync", 0, lr, s) for s in seeds])}
     for p in stages:
-        row = {v: cell([name(v, p, lr, s) for s in seeds]) for v in variants(p)}
+        row = {v: finals([name(v, p, lr, s) for s in seeds]) for v in variants(p)}
         for v in variants(p):
             row[v]["gap"] = row[v]["mean"] - table["sync"]["mean"]
         row["mean_delay"] = statistics.fmean(pipedream_delays(p))
