@@ -13,7 +13,9 @@ One configuration per `--twin-optimizer` is also run with the real
 `--pipeline-schedule 2bw` at PP=2 next to its simulated twin (same initial
 weights via `--layout-invariant-init`), to show that the simulated delay is what
 the pipeline does. Optional explorations: the delay gap at every learning rate
-of the grid (`--lr-curve`) and at other Muon momenta (`--muon-momenta`).
+of the grid (`--lr-curve`) and at other Muon momenta (`--muon-momenta`);
+`--lr OPT=LR` skips the search for an optimizer (another lr, or longer runs
+with `--iters`).
 
 Runs are resumable (bench/sweep_runner.py). Results: OUT/summary.json,
 OUT/table.md and PNGs (bench/delay_sweep_report.py).
@@ -98,6 +100,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="seeds per (optimizer, mode) at the best lr")
     p.add_argument("--search-seeds", type=int, default=2, help="seeds per learning rate in the search")
     p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 150)")
+    p.add_argument("--lr", default="", metavar="OPT=LR,...",
+                   help="fixed learning rates (e.g. adam=0.002,muon=0.008): no search for these optimizers")
     p.add_argument("--parallel", type=int, default=2, help="runs at once (one core each)")
     p.add_argument("--no-twin", action="store_true", help="skip the 2bw PP=2 vs simulated-twin pairs")
     p.add_argument("--twin-optimizer", default="adam",
@@ -114,6 +118,12 @@ def parse(argv) -> argparse.Namespace:
     unknown = [o for o in args.optimizers.split(",") if o not in LR_GRID]
     if unknown:
         p.error(f"--optimizers: no learning-rate grid for {unknown}; choose from {sorted(LR_GRID)}")
+    try:
+        args.fixed_lr = {o: float(v) for o, v in (item.split("=") for item in args.lr.split(",") if item)}
+    except ValueError:
+        p.error(f"--lr: expected OPT=LR,... (e.g. adam=0.002,muon=0.008), got {args.lr!r}")
+    if set(args.fixed_lr) - set(LR_GRID):
+        p.error(f"--lr: unknown optimizers {sorted(set(args.fixed_lr) - set(LR_GRID))}")
     return args
 
 
@@ -122,7 +132,7 @@ def main(argv=None) -> int:
     root, data, img_dir = prepare_dirs(args.out, args.data, args.img_dir)
     model = Model()
     optimizers = args.optimizers.split(",")
-    grids = {o: LR_GRID[o] for o in optimizers}
+    grids = {o: [args.fixed_lr[o]] if o in args.fixed_lr else LR_GRID[o] for o in optimizers}
     seeds, search_seeds, modes = list(range(args.seeds)), list(range(args.search_seeds)), list(MODES)
     if args.quick:
         model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,
