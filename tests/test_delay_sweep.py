@@ -36,3 +36,16 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
     # a second invocation finds every run done and only rebuilds the summary
     second = _sweep(out, small_corpus)
     assert second.count("skipped (done before)") == 4, second
+
+
+def test_fixed_lr_parses_and_bad_values_name_the_flag(capsys):
+    import pytest
+
+    from bench.delay_sweep import parse
+
+    assert parse(["--lr", "adam=0.002,muon=8e-3"]).fixed_lr == {"adam": 0.002, "muon": 0.008}
+    assert parse([]).fixed_lr == {}
+    for bad in ("adam=x", "adam", "foo=0.1", "adam=1=2"):
+        with pytest.raises(SystemExit):
+            parse(["--lr", bad])
+        assert "--lr" in capsys.readouterr().err, bad
