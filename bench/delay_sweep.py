@@ -47,8 +47,8 @@ def momentum_run_name(lr: float, momentum: float, mode: str, seed: int) -> str:
     return run_name("muon", lr, mode, seed, f"_m{momentum:g}")
 
 
-def sync_async_row(results: dict, names: dict[str, list[str]]) -> dict:
-    """{sync: cell, async: cell, gap} from the run names of each mode."""
+def mode_row(results: dict, names: dict[str, list[str]]) -> dict:
+    """{mode: cell, ..., gap: async - sync} from the run names of each mode."""
     row = {mode: cell([results[n]["final_val_loss"] for n in runs]) for mode, runs in names.items()}
     row["gap"] = row["async"]["mean"] - row["sync"]["mean"]
     return row
@@ -59,11 +59,9 @@ def summarise(grids, best_lr, results, seeds, search_seeds, modes) -> dict:
     for opt, grid in grids.items():
         row = {"best_lr": best_lr[opt],
                "lr_search": {f"{lr:g}": cell([results[run_name(opt, lr, "sync", s)]["final_val_loss"]
-                                              for s in search_seeds]) for lr in grid}}
-        for mode in modes:
-            row[mode] = cell([results[run_name(opt, best_lr[opt], mode, s)]["final_val_loss"] for s in seeds])
-        gap = row["async"]["mean"] - row["sync"]["mean"]
-        row["gap"] = gap
+                                              for s in search_seeds]) for lr in grid},
+               **mode_row(results, {m: [run_name(opt, best_lr[opt], m, s) for s in seeds] for m in modes})}
+        gap = row["gap"]
         if "async+ef" in row:
             row["ef_recovered"] = (row["async"]["mean"] - row["async+ef"]["mean"]) / gap if gap else float("nan")
         table[opt] = row
@@ -178,10 +176,10 @@ def main(argv=None) -> int:
 
     table = summarise(grids, best_lr, results, seeds, search_seeds, modes)
     twins = [twin_comparison(o, best_lr[o], results) for o in twin_opts]
-    lr_curve = {o: {f"{lr:g}": sync_async_row(results, {m: [run_name(o, lr, m, s) for s in search_seeds]
+    lr_curve = {o: {f"{lr:g}": mode_row(results, {m: [run_name(o, lr, m, s) for s in search_seeds]
                                                          for m in ("sync", "async")}) for lr in grids[o]}
                 for o in curve_opts}
-    momentum = {f"{m:g}": sync_async_row(results, {mode: [momentum_run_name(best_lr["muon"], m, mode, s)
+    momentum = {f"{m:g}": mode_row(results, {mode: [momentum_run_name(best_lr["muon"], m, mode, s)
                                                           for s in seeds] for mode in ("sync", "async")})
                 for m in momenta}
     summary = dict(model=model.__dict__, seeds=seeds, search_seeds=search_seeds, lr_grid=grids, table=table,

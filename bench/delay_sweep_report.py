@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
-from bench.sweep_runner import OPTIMIZER_FLAGS, run_name
+from bench.sweep_runner import MUON_MOMENTUM, mean_curve, run_name
 
 PAPER = {  # Zmushko et al. 2026, SmolLM-360M on FineWeb-Edu, final validation loss
     "muon": {"sync": 2.578, "async": 2.590, "async+ef": 2.583},
@@ -57,7 +56,7 @@ def momentum_markdown(momentum: dict, muon_row) -> str:
         return ""
     rows = dict(momentum)
     if muon_row:
-        rows[OPTIMIZER_FLAGS["muon"][1] + " (main table)"] = muon_row
+        rows[MUON_MOMENTUM + " (main table)"] = muon_row
     lines = ["", "Muon momentum (same lr and seeds):", "",
              "| --muon-momentum | sync | async (delay 1) | gap |", "| --- | --- | --- | --- |"]
     for key, row in sorted(rows.items()):
@@ -74,11 +73,6 @@ def _pyplot():
     return plt
 
 
-def _mean_curve(curves: list[list]) -> tuple[list, list]:
-    its = [it for it, _ in curves[0]]
-    return its, [statistics.fmean(c[i][1] for c in curves) for i in range(len(its))]
-
-
 def plot(table, results, seeds, img_dir: Path) -> list[str]:
     """Per optimizer: validation (markers) and train (faint) loss of each mode at the best lr."""
     plt = _pyplot()
@@ -89,9 +83,9 @@ def plot(table, results, seeds, img_dir: Path) -> list[str]:
             if mode not in row:
                 continue
             runs = [results[run_name(opt, row["best_lr"], mode, s)] for s in seeds]
-            ax.plot(*_mean_curve([r["val_curve"] for r in runs]), marker="o", ms=3, color=color,
+            ax.plot(*mean_curve([r["val_curve"] for r in runs]), marker="o", ms=3, color=color,
                     label=f"{mode}: {row[mode]['mean']:.3f}")
-            ax.plot(*_mean_curve([r["train_curve"] for r in runs]), color=color, alpha=0.25, lw=0.8)
+            ax.plot(*mean_curve([r["train_curve"] for r in runs]), color=color, alpha=0.25, lw=0.8)
         ax.set_xlabel("iteration")
         ax.set_ylabel("loss (validation: markers; train: faint)")
         ax.set_title(f"{opt}, lr {row['best_lr']:g}: mean of {len(seeds)} seed(s)")

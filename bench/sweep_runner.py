@@ -25,8 +25,9 @@ BIN = Path(sys.executable).parent
 # Muon runs with spectral scaling and an extra factor 0.2 (its update RMS matches
 # AdamW's), so Muon and the Adam it uses for embeddings, output layer and 1-D
 # parameters share one --lr on the AdamW scale.
+MUON_MOMENTUM = "0.95"
 OPTIMIZER_FLAGS = {
-    "muon": ["--muon-momentum", "0.95", "--muon-extra-scale-factor", "0.2"],
+    "muon": ["--muon-momentum", MUON_MOMENTUM, "--muon-extra-scale-factor", "0.2"],
 }
 MODES = {
     "sync": [],
@@ -137,16 +138,16 @@ def run_all(runs: list[Run], model: Model, data: Path, root: Path, parallel: int
     return results
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-
-
 def cell(values: list[float]) -> dict:
     """{mean, std, runs} of some final losses."""
-    mean, std = mean_std(values)
-    return {"mean": mean, "std": std, "runs": list(values)}
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "std": std, "runs": list(values)}
+
+
+def mean_curve(curves: list[list]) -> tuple[list, list]:
+    """Iterations and the mean loss over seeds of [(iteration, loss), ...] curves."""
+    its = [it for it, _ in curves[0]]
+    return its, [statistics.fmean(c[i][1] for c in curves) for i in range(len(its))]
 
 
 def prepare_dirs(out: str, data: str, img_dir) -> tuple[Path, Path, Path]:

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sweep_runner import Model, Run, cell, prepare_dirs, run_all
+from bench.sweep_runner import Model, Run, cell, mean_curve, prepare_dirs, run_all
 from megatron_async.simulated_delay import pipedream_delays
 
 LR_GRID = [4e-3, 8e-3, 1.6e-2, 3.2e-2]
@@ -101,9 +101,7 @@ def plot(table, results, stages, lr, seeds, path: Path) -> None:
     p, highest = stages[-1], sync["mean"]
     for v, runs in [("sync", [name("sync", 0, lr, s) for s in seeds])] + \
                    [(v, [name(v, p, lr, s) for s in seeds]) for v in colors]:
-        curves = [results[n]["val_curve"] for n in runs]
-        its = [it for it, _ in curves[0]]
-        mean = [statistics.fmean(c[i][1] for c in curves) for i in range(len(its))]
+        its, mean = mean_curve([results[n]["val_curve"] for n in runs])
         right.plot(its, mean, marker="o", ms=3, color=colors.get(v, "k"), label=labels.get(v, "sync"))
         highest = max(highest, *mean)
     right.set_xlabel("iteration")
