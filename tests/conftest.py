@@ -21,18 +21,23 @@ def module_text(name: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def small_corpus(tmp_path_factory):
+def text_files(tmp_path_factory):
+    """One UTF-8 .txt file per stdlib module (about 100k characters in all); paths as strings."""
+    root = tmp_path_factory.mktemp("text")
+    files = []
+    for name in STDLIB_MODULES:
+        path = root / f"{name}.txt"
+        path.write_text(module_text(name), encoding="utf-8")
+        files.append(str(path))
+    return files
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory, text_files):
     """A prepared data directory (tokenizer.model, {train,valid}_text_document, stats.json):
     one document per stdlib module, a 400-token BPE vocabulary, about a fifth held out."""
     from megatron_async.data import prepare
 
-    root = tmp_path_factory.mktemp("small_corpus")
-    files = []
-    for name in STDLIB_MODULES:
-        path = root / "text" / f"{name}.txt"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(module_text(name), encoding="utf-8")
-        files.append(str(path))
-    out = root / "prepared"
-    prepare(str(out), corpus=None, inputs=files, vocab_size=400, valid_fraction=0.2, seed=1234)
+    out = tmp_path_factory.mktemp("small_corpus") / "prepared"
+    prepare(str(out), corpus=None, inputs=text_files, vocab_size=400, valid_fraction=0.2, seed=1234)
     return out

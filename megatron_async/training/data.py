@@ -35,6 +35,15 @@ def _num_samples(args: argparse.Namespace) -> tuple[int, int]:
     return train, valid
 
 
+def _cache_path(args: argparse.Namespace) -> Optional[str]:
+    """--data-cache-path, keyed by the data's .idx files so replaced data never reuses stale indices."""
+    if args.mock_data:
+        return args.data_cache_path
+    from megatron_async.data.cache import keyed_cache_path
+
+    return keyed_cache_path(args.data_cache_path, list(args.train_data_path) + list(args.valid_data_path or []))
+
+
 def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, Optional[GPTDataset]]:
     """(train, valid) datasets; valid is None when there is no validation data."""
     train_samples, valid_samples = _num_samples(args)
@@ -46,7 +55,7 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, Opt
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        path_to_cache=args.data_cache_path,
+        path_to_cache=_cache_path(args),
         mid_level_dataset_surplus=0.005,
     )
     if args.mock_data:
