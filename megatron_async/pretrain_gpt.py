@@ -44,12 +44,16 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_async.training.arguments import ArgumentError, parse_args, validate_args
+    from megatron_async.training.arguments import ArgumentError, check_data_files, parse_args, validate_args
 
+    from megatron_async.launcher_watch import exit_with_launcher
+
+    exit_with_launcher()
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         validate_args(args, world_size)
+        check_data_files(args)  # datasets vs tokenizer and batch size (data/checks.py)
         from megatron_async import cpu
 
         device = cpu.setup_device(args.device)
@@ -60,8 +64,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
 
     _init_distributed(device)
+    from megatron_async.pipeline.non_finite import NonFiniteError
+
     try:
         return _train(args, device)
+    except NonFiniteError as err:
+        print(f"megatron-async-pretrain: rank {_rank()}: stopped: {err}", file=sys.stderr, flush=True)
+        return 3
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_async.pipeline.p2p import StageLinks, complete_sends, post_run
+from megatron_async.pipeline.p2p import PendingSends, StageLinks, post_run
 from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, is_comm
 from megatron_async.weight_stash import WeightStashManager
 
@@ -36,7 +36,7 @@ class StageExecutor:
         stash: WeightStashManager,
         forward_step_func: Callable,
         get_microbatch: Callable[[int], dict],
-        step_func: Callable[[], tuple],
+        step_func: Callable[[int], tuple],
         num_microbatches: int,
         activation_shape: tuple,
         dtype: torch.dtype,
@@ -61,7 +61,7 @@ class StageExecutor:
         self._outgoing: dict = {}
         self._inflight: dict = {}  # microbatch -> (input tensor, output tensor or loss)
         self._reports: dict = {}  # batch -> list of loss reports
-        self._pending_sends: list = []
+        self.pending_sends = PendingSends(num_microbatches)
 
     # --- compute ---------------------------------------------------------------
     def _forward(self, action: Forward) -> None:
@@ -98,7 +98,7 @@ class StageExecutor:
     def _optimizer_step(self, action: OptimizerStep):
         self.model.finish_grad_sync()
         with self.stash.optimizer_step():
-            result = self.step_func()
+            result = self.step_func(action.step)
         self.model.zero_grad_buffer()
         return result
 
@@ -116,7 +116,7 @@ class StageExecutor:
                     actions[self.pos:end], self.links, self._outgoing, self.shape, self.dtype, self.device
                 )
                 self._received.update(received)
-                self._pending_sends = complete_sends(self._pending_sends + sends)
+                self.pending_sends.add(sends)
                 self.pos = end
                 continue
             self.pos += 1
@@ -126,6 +126,7 @@ class StageExecutor:
                 self._backward(action)
             elif isinstance(action, OptimizerStep):
                 result = self._optimizer_step(action)
+                self.pending_sends.retire_through(action.step - 1)
                 if stop is not None and action.step == stop:
                     return result
         return None
@@ -143,5 +144,5 @@ class StageExecutor:
     def finish(self) -> None:
         """Run what is left (trailing sends) so neighbours are not left waiting."""
         self._run_until(None)
-        self._pending_sends = complete_sends(self._pending_sends, wait=True)
+        self.pending_sends.wait_all()
 

@@ -75,7 +75,7 @@ def post_run(run, links: StageLinks, outgoing: dict, shape, dtype, device) -> tu
     Sends are not waited for: a stage never blocks on a neighbour taking its data
     (gloo's send otherwise waits for the matching receive), only on data it needs.
     `outgoing` maps (kind, microbatch) to the tensor a send transmits. Returns the
-    received tensors by (kind, microbatch) and the pending sends as (work, tensor).
+    received tensors by (kind, microbatch) and the posted sends as (microbatch, work, tensor).
     """
     receives, sends, received = [], [], {}
     for action in run:
@@ -83,7 +83,7 @@ def post_run(run, links: StageLinks, outgoing: dict, shape, dtype, device) -> tu
         if isinstance(action, (SendActivation, SendGrad)):
             kind = "act" if isinstance(action, SendActivation) else "grad"
             tensor = outgoing.pop((kind, action.microbatch)).contiguous()
-            sends.append((dist.isend(tensor, peer, group=links.group), tensor))
+            sends.append((action.microbatch, dist.isend(tensor, peer, group=links.group), tensor))
         else:
             kind = "act" if isinstance(action, RecvActivation) else "grad"
             buf = torch.empty(shape, dtype=dtype, device=device)
@@ -94,10 +94,42 @@ def post_run(run, links: StageLinks, outgoing: dict, shape, dtype, device) -> tu
     return received, sends
 
 
-def complete_sends(pending: list, wait: bool = False) -> list:
-    """Drop finished sends (or wait for all); returns those still in flight."""
-    if wait:
-        for work, _tensor in pending:
+class PendingSends:
+    """Sends this stage has posted and not yet waited on, bounded by the schedule.
+
+    Under gloo a send's work object does not report completion unless someone
+    waits on it, so a list pruned by `is_completed()` only grows. Instead each send
+    is kept with the batch of its microbatch, and after this stage's optimizer step
+    t every send of batch t-1 or earlier is waited on: by then its receive has
+    provably completed on the neighbour (stage s cannot finish step t before stage
+    s+1 has received every activation of batch t, nor before stage s-1, whose
+    warm-up is at most m forwards deep, has received every gradient of batch t-1),
+    so the wait returns at once and never deadlocks. At most the sends of two
+    batches are ever held, whatever the run length.
+    """
+
+    def __init__(self, num_microbatches: int):
+        self.m = num_microbatches
+        self._sends: list = []  # (batch, work, tensor)
+
+    def __len__(self) -> int:
+        return len(self._sends)
+
+    def add(self, sends: list) -> None:
+        """Hold `sends` as post_run returns them: (microbatch, work, tensor)."""
+        self._sends.extend((k // self.m, work, tensor) for k, work, tensor in sends)
+
+    def retire_through(self, batch: int) -> None:
+        """Wait on (and drop) every send of `batch` or earlier."""
+        keep = []
+        for entry in self._sends:
+            if entry[0] <= batch:
+                entry[1].wait()
+            else:
+                keep.append(entry)
+        self._sends = keep
+
+    def wait_all(self) -> None:
+        for _batch, work, _tensor in self._sends:
             work.wait()
-        return []
-    return [(work, tensor) for work, tensor in pending if not work.is_completed()]
+        self._sends = []

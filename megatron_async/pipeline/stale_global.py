@@ -15,12 +15,16 @@ so chained optimizers with several norm groups each get their own.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+
+HISTORY_STEPS = 1000
 
 
 class StaleGlobalNorm:
@@ -31,8 +35,10 @@ class StaleGlobalNorm:
         self._pending: list = []  # previous step's (work, squared-norm tensor) per call
         self._current: list = []
         self._calls = 0
-        self.used: list[list[float]] = []  # norm used for clipping, per step and call
-        self.local: list[list[float]] = []  # stage-local norm, per step and call
+        # Norm used for clipping and stage-local norm, per step and call, for the
+        # recent steps only (a long run must not grow them).
+        self.used: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
+        self.local: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
 
     def _answer(self, local_norm: float) -> float:
         index = self._calls

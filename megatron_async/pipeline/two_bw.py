@@ -20,6 +20,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_async.pipeline.executor import StageExecutor
+from megatron_async.pipeline.non_finite import check_finite, report_losses, step_grad_norm
 from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
 from megatron_async.schedules.actions import Backward, Forward, OptimizerStep
@@ -85,17 +86,29 @@ class TwoBWRunner:
             activation_shape=activation_shape, dtype=dtype, device=self.device,
         )
 
-    def _step(self):
+    def _step(self, step: int):
         with self.stale_norm.step() if self.stale_norm else contextlib.nullcontext():
-            result = self.optimizer.step()
+            update_ok, grad_norm, zeros = self.optimizer.step()
+        grad_norm = step_grad_norm(self.optimizer, grad_norm)
+        check_finite(step + 1, self.links.stage, grad_norm)
         # Megatron's optimizer aliases param.grad to DDP's main_grad during the step;
         # clear it, or the next backward would accumulate into main_grad twice.
         self.optimizer.zero_grad()
-        return result
+        return update_ok, grad_norm, zeros
 
     def train_step(self, step: int):
-        """(loss reports of batch `step` on the last stage, (update_ok, grad_norm, zeros))."""
-        return self.executor.train_step(step)
+        """(loss reports of batch `step` on the last stage, (update_ok, grad_norm, zeros)).
+
+        Raises NonFiniteError when this stage's gradient norm or losses are not finite.
+        """
+        reports, result = self.executor.train_step(step)
+        check_finite(step + 1, self.links.stage, None, report_losses(reports))
+        return reports, result
+
+    @property
+    def pending_sends(self) -> int:
+        """Point-to-point sends this stage holds handles of (bounded; see PendingSends)."""
+        return len(self.executor.pending_sends)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> list:

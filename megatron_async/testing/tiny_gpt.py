@@ -224,12 +224,13 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
             assert update_ok, f"optimizer step {iteration} was skipped"
             losses.append(_dp_mean(reduce_lm_loss(reports)))
             grads_present.append(True)
+        extra["pending_sends"] = runner.pending_sends
         runner.finish()
         extra["weight_buffers"] = runner.stash.num_weight_buffers()
         extra["stash_bytes"] = runner.stash.stash_bytes()
         extra["live_bytes"] = runner.stash.live_bytes()
         if runner.stale_norm:
-            extra["norm_used"], extra["norm_local"] = runner.stale_norm.used, runner.stale_norm.local
+            extra["norm_used"], extra["norm_local"] = list(runner.stale_norm.used), list(runner.stale_norm.local)
         return _result(spec, model, losses, grads_present, rank, extra)
 
     forward_backward = get_forward_backward_func(schedule)

@@ -142,6 +142,9 @@ def _add_ours(p: argparse.ArgumentParser) -> None:
                         "TP/PP/EP layout starts from the same model (e.g. 2bw vs its --simulated-delay twin)")
     g.add_argument("--metrics-json", default=None, help="one JSON object per iteration/evaluation (replaced by a fresh run, continued by --load)")
     g.add_argument("--plot", default=None, help="PNG of train/validation loss, written at the end")
+    g.add_argument("--rank-stats-dir", default=None, metavar="DIR",
+                   help="every rank writes DIR/rank<R>.jsonl each --log-interval: its mean s/iter, RSS and "
+                        "pending point-to-point sends (no collective)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,3 +332,23 @@ def _check_data_args(args: argparse.Namespace) -> None:
         _require(os.path.isfile(args.tokenizer_model), f"--tokenizer-model {args.tokenizer_model}: no such file")
     else:
         _require(args.vocab_size is not None, "--vocab-size is required with --tokenizer-type NullTokenizer")
+
+
+def check_data_files(args: argparse.Namespace) -> None:
+    """Datasets against the tokenizer and one global batch (data/checks.py), after validate_args.
+
+    Reads the tokenizer, stats.json and .idx files, so it is kept out of validate_args (which
+    only looks at flags); like it, it runs on every rank before any process group exists.
+    """
+    if args.mock_data:
+        return
+    from megatron_async.data.checks import check_training_data
+    from megatron_async.data.errors import DataError
+
+    sentencepiece = args.tokenizer_type == "SentencePieceTokenizer"
+    try:
+        check_training_data(args.train_data_path, args.valid_data_path,
+                            args.tokenizer_model if sentencepiece else None, args.seq_length,
+                            args.global_batch_size, vocab_size=None if sentencepiece else args.vocab_size)
+    except DataError as err:
+        raise ArgumentError(str(err)) from None

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_async.forward_step import gpt_forward_step
+from megatron_async.pipeline.non_finite import check_finite, report_losses, step_grad_norm
 from megatron_async.schedules.registry import get_forward_backward_func, get_runtime
 from megatron_async.simulated_delay import version_for_step
 from megatron_async.training.data import microbatch_iterator
-from megatron_async.training.metrics import RunLog
+from megatron_async.training.metrics import RankStats, RunLog
 
 
 def holds_loss() -> bool:
@@ -136,6 +137,10 @@ class Trainer:
             stale = self.stale_norm.step() if self.stale_norm else contextlib.nullcontext()
             with self.stash.optimizer_step() if delay else contextlib.nullcontext(), stale:
                 update_ok, grad_norm, _ = self.optimizer.step()
+            if update_ok:
+                grad_norm = step_grad_norm(self.optimizer, grad_norm)
+            stage = parallel_state.get_pipeline_model_parallel_rank()
+            check_finite(iteration + 1, stage, grad_norm, report_losses(losses) if holds_loss() else ())
         if update_ok:
             self.scheduler.step(increment=1)
         return dp_mean_loss(losses), grad_norm
@@ -164,6 +169,7 @@ class Trainer:
         """Train from `start_iteration` to `args.train_iters`; returns the last validation loss."""
         args = self.args
         last_val = None
+        rank_stats = RankStats(args.rank_stats_dir, dist.get_rank(), resumed_from=start_iteration)
         for iteration in range(start_iteration, args.train_iters):
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             tic = time.perf_counter()
@@ -171,8 +177,10 @@ class Trainer:
             elapsed = time.perf_counter() - tic
             done = iteration + 1
             self.log.iteration(done, loss, lr, grad_norm, elapsed)
+            rank_stats.iteration(elapsed)
             if done % args.log_interval == 0 or done == args.train_iters:
                 self.log.progress(done, resumed_from=start_iteration)
+                rank_stats.flush(done, **self._runtime_stats())
             if done % args.eval_interval == 0 or done == args.train_iters:
                 val = self.evaluate(done // args.eval_interval)
                 if val is not None:
@@ -182,4 +190,8 @@ class Trainer:
                 self.checkpointer.save(done)
         if self.runner is not None:
             self.runner.finish()
+        rank_stats.close()
         return last_val
+
+    def _runtime_stats(self) -> dict:
+        return {"pending_sends": self.runner.pending_sends} if self.runner is not None else {}

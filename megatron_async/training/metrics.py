@@ -21,6 +21,13 @@ def _fmt_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
+def json_line(record: dict) -> str:
+    """One line of strict JSON: a NaN or infinite number is written as null, since
+    JSON has no such values and readers reject Python's `NaN`."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
 class RunLog:
     """Progress lines, metrics records and the loss history of one run."""
 
@@ -56,14 +63,14 @@ class RunLog:
                     if record.get("iteration", 0) <= resumed_from:
                         kept.append(record)
         with open(path, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.writelines(json_line(r) for r in kept)
         self.train = [(r["iteration"], r["lm_loss"]) for r in kept if r.get("lm_loss") is not None]
         self.valid = [(r["iteration"], r["val_loss"]) for r in kept if "val_loss" in r]
         self._file = open(path, "a", encoding="utf-8")
 
     def _write(self, record: dict) -> None:
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json_line(record))
             self._file.flush()
 
     def iteration(self, iteration: int, lm_loss: Optional[float], lr: float,
@@ -112,6 +119,51 @@ class RunLog:
         self._write({"iteration": iteration, "val_loss": val_loss})
         print(f"validation at iteration {iteration} | val loss {val_loss:.4f} | "
               f"val ppl {math.exp(min(val_loss, 50)):.2f}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+def rss_mb() -> float:
+    """This process's resident set size in MB (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+class RankStats:
+    """Per-rank pace and memory: `DIR/rank<R>.jsonl`, one record per log interval.
+
+    Every rank writes its own file and nothing is gathered, so a slow or growing
+    rank shows up without a collective (which under 2bw would span stages).
+    """
+
+    def __init__(self, directory: Optional[str], rank: int, resumed_from: int = 0):
+        self._file = None
+        self._seconds: list[float] = []
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            self._file = open(os.path.join(directory, f"rank{rank}.jsonl"), "a" if resumed_from else "w",
+                              encoding="utf-8")
+
+    def iteration(self, seconds: float) -> None:
+        if self._file:
+            self._seconds.append(seconds)
+
+    def flush(self, iteration: int, **extra) -> None:
+        """Write the record for the iterations since the last flush."""
+        if not self._file or not self._seconds:
+            return
+        record = dict(iteration=iteration, s_per_iter=sum(self._seconds) / len(self._seconds),
+                      rss_mb=round(rss_mb(), 1), **extra)
+        self._seconds = []
+        self._file.write(json_line(record))
+        self._file.flush()
 
     def close(self) -> None:
         if self._file:

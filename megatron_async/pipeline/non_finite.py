@@ -1,0 +1,68 @@
+"""Stop a run at the first non-finite loss or gradient norm, before it is checkpointed.
+
+A diverged run (a learning rate too high, a bad batch) otherwise trains to the end
+on NaN weights, exits 0 and saves a checkpoint of NaNs. Each stage decides from its
+own numbers: its stage-local gradient norm (the one Megatron's optimizer computed
+for clipping, or, when clipping is off, the same norm computed here over the
+stage's own ranks) and, on the last stage, the microbatch losses. No collective
+spans two pipeline stages; the stage that sees it first raises, and the launcher
+(torchrun, srun --kill-on-bad-exit) ends the others.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or infinite loss or gradient norm."""
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def reports_grad_norm(optimizer) -> bool:
+    """Whether Megatron's step returns a real gradient norm: a chained optimizer always
+    computes one; a single optimizer only when it clips (else it returns None, or 0.0
+    in its mixed-precision variant)."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return True
+    config = getattr(optimizer, "config", None)
+    return config is not None and config.clip_grad > 0.0
+
+
+def step_grad_norm(optimizer, returned: Optional[float]) -> float:
+    """The gradient norm of the step just taken, over the ranks its statistics use.
+
+    Call after `optimizer.step()` and before the gradients are zeroed.
+    """
+    if returned is not None and reports_grad_norm(optimizer):
+        return float(returned)
+    return float(optimizer.get_grad_norm())
+
+
+def check_finite(iteration: int, stage: int, grad_norm: Optional[float],
+                 losses: Iterable[float] = ()) -> None:
+    """Raise NonFiniteError naming `iteration` (1-based) and `stage` if anything is not finite."""
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise NonFiniteError(
+            f"iteration {iteration}: gradient norm {grad_norm} on pipeline stage {stage}; the run is "
+            "stopped before any checkpoint of these weights is written (lower --lr, or clip with --clip-grad)")
+    for loss in losses:
+        if not math.isfinite(loss):
+            raise NonFiniteError(
+                f"iteration {iteration}: loss {loss} on pipeline stage {stage}; the run is stopped "
+                "before any checkpoint of these weights is written (lower --lr, or clip with --clip-grad)")
+
+
+def report_losses(reports: list[dict]) -> list[float]:
+    """Per-microbatch loss sums of Megatron loss reports ({'lm loss': [sum, count]})."""
+    values = []
+    for report in reports:
+        for value in report.values():
+            values.append(float(torch.as_tensor(value).reshape(-1)[0]))
+    return values
