@@ -27,3 +27,16 @@ def test_quick_benchmark_reports_every_config(tmp_path):
     for stages in results["stage_times"].values():
         assert all(t["fwd"] > 0 and t["bwd"] > 0 for t in stages)
     assert set(results["ratios"]) and all(v > 0 for v in results["ratios"].values())
+
+
+def test_quick_soak_reports_pace_memory_and_bounded_sends(tmp_path, small_corpus):
+    from bench import soak
+
+    out = tmp_path / "soak"
+    assert soak.main(["--quick", "--out", str(out), "--data", str(small_corpus)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["ranks"]) == {"rank0", "rank1"}
+    for rank in summary["ranks"].values():
+        assert rank["s_per_iter_early"] > 0 and rank["s_per_iter_late"] > 0
+        assert rank["rss_mb_at_settle"] > 0
+        assert max(rank["pending_sends"]) <= 4 * 4  # two batches of sends at m = 4
