@@ -1,8 +1,9 @@
 """Executes one stage's action list (from a schedule generator) on a Megatron model.
 
 The executor is a loop over actions: Forward/Backward run the stage's module at the
-action's weight version (through the WeightStashManager), OptimizerStep finishes
-the stage's data-parallel gradient sync and steps its optimizer, and runs of
+action's weight version (through the WeightStashManager), OptimizerStep calls the
+runner's step function (gradient sync and optimizer step, or only the sync when
+Megatron's training loop steps the optimizer itself), and runs of
 communication actions are posted together over point-to-point links. Pipeline
 state (activations in flight, pending sends) persists between training steps:
 `train_step(t)` runs actions up to this stage's OptimizerStep(t) and stops, so the
@@ -15,7 +16,7 @@ transfers the schedule lists.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
@@ -35,7 +36,7 @@ class StageExecutor:
         links: StageLinks,
         stash: WeightStashManager,
         forward_step_func: Callable,
-        get_microbatch: Callable[[int], dict],
+        data_for: Callable[[int], Iterator],
         step_func: Callable[[int], tuple],
         num_microbatches: int,
         activation_shape: tuple,
@@ -47,7 +48,7 @@ class StageExecutor:
         self.links = links
         self.stash = stash
         self.forward_step_func = forward_step_func
-        self.get_microbatch = get_microbatch
+        self.data_for = data_for
         self.step_func = step_func
         self.m = num_microbatches
         self.shape = activation_shape
@@ -70,9 +71,8 @@ class StageExecutor:
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
         self._set_input(input_tensor)
-        batch = self.get_microbatch(k)
         with self.stash.use(action.version):
-            output, loss_func = self.forward_step_func(iter([batch]), self.model)
+            output, loss_func = self.forward_step_func(self.data_for(k), self.model)
             if self.is_last:
                 loss_sum, num_tokens, report = loss_func(output)
                 # Megatron's normalisation: mean over the microbatch's tokens, then
@@ -96,15 +96,12 @@ class StageExecutor:
             self._outgoing[("grad", k)] = input_tensor.grad
 
     def _optimizer_step(self, action: OptimizerStep):
-        self.model.finish_grad_sync()
-        with self.stash.optimizer_step():
-            result = self.step_func(action.step)
-        self.model.zero_grad_buffer()
-        return result
+        return self.step_func(action.step)
 
     # --- driver ----------------------------------------------------------------
-    def _run_until(self, stop: Optional[int]) -> Optional[tuple]:
-        """Run actions until OptimizerStep(stop) has run (or to the end if stop is None)."""
+    def _run_until(self, stop: Optional[int]) -> tuple[bool, object]:
+        """Run actions until OptimizerStep(stop) has run (or to the end if stop is None);
+        returns (whether it was found, the step function's result)."""
         actions = self.actions
         while self.pos < len(actions):
             action = actions[self.pos]
@@ -128,16 +125,16 @@ class StageExecutor:
                 result = self._optimizer_step(action)
                 self.pending_sends.retire_through(action.step - 1)
                 if stop is not None and action.step == stop:
-                    return result
-        return None
+                    return True, result
+        return False, None
 
     def train_step(self, step: int) -> tuple[list, tuple]:
         """Run up to and including this stage's optimizer step `step`.
 
         Returns (loss reports of batch `step` on the last stage, optimizer result).
         """
-        result = self._run_until(step)
-        if result is None:
+        found, result = self._run_until(step)
+        if not found:
             raise RuntimeError(f"stage {self.links.stage}: no OptimizerStep({step}) left in its schedule")
         return self._reports.pop(step, []), result
 

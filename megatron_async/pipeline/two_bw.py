@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -57,11 +57,18 @@ class TwoBWRunner:
         activation_shape: tuple,
         dtype: torch.dtype,
         forward_step_func: Callable,
-        get_microbatch: Callable[[int], dict],
+        get_microbatch: Callable[[int], dict] | None = None,
         start_batch: int = 0,
         stash: WeightStashManager | None = None,
         clip_grad_mode: str = "stage-local",
+        data_for: Callable[[int], Iterator] | None = None,
+        finalize_grads: Callable[[], None] | None = None,
     ):
+        """`optimizer=None`: the caller (Megatron's train_step) steps the optimizer after
+        each `train_step`, through a DelayedStepOptimizer; the runner then only
+        finalises the gradients (`finalize_grads`, default DDP's finish_grad_sync).
+        Data comes from `get_microbatch(k)` (one batch dict) or `data_for(k)` (an
+        iterator handed to `forward_step_func`, e.g. Megatron's data iterator)."""
         if len(model) != 1:
             raise ValueError("2bw runs one model chunk per stage (no virtual pipeline stages)")
         self.model = model[0]
@@ -80,20 +87,28 @@ class TwoBWRunner:
         schedule = get_schedule_generator("2bw")(p, num_microbatches, num_batches - start_batch)
         actions = shift_actions(schedule[self.links.stage], start_batch, num_microbatches)
         self.stash = stash or WeightStashManager(model, depth=1)
+        self.finalize_grads = finalize_grads or self.model.finish_grad_sync
+        if data_for is None:
+            data_for = lambda k: iter([get_microbatch(k)])  # noqa: E731
         self.executor = StageExecutor(
-            self.model, actions, self.links, self.stash, forward_step_func, get_microbatch,
+            self.model, actions, self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
             activation_shape=activation_shape, dtype=dtype, device=self.device,
         )
 
     def _step(self, step: int):
-        with self.stale_norm.step() if self.stale_norm else contextlib.nullcontext():
-            update_ok, grad_norm, zeros = self.optimizer.step()
+        self.finalize_grads()
+        if self.optimizer is None:
+            return None  # Megatron's train_step steps next
+        with self.stash.optimizer_step():
+            with self.stale_norm.step() if self.stale_norm else contextlib.nullcontext():
+                update_ok, grad_norm, zeros = self.optimizer.step()
         grad_norm = step_grad_norm(self.optimizer, grad_norm)
         check_finite(step + 1, self.links.stage, grad_norm)
         # Megatron's optimizer aliases param.grad to DDP's main_grad during the step;
         # clear it, or the next backward would accumulate into main_grad twice.
         self.optimizer.zero_grad()
+        self.model.zero_grad_buffer()
         return update_ok, grad_norm, zeros
 
     def train_step(self, step: int):
@@ -110,9 +125,13 @@ class TwoBWRunner:
         """Point-to-point sends this stage holds handles of (bounded; see PendingSends)."""
         return len(self.executor.pending_sends)
 
-    @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> list:
-        """Forward-only pass over `microbatches` at the newest weights; loss reports on the last stage.
+        """Forward-only pass over `microbatches` at the newest weights; loss reports on the last stage."""
+        return self.evaluate_iterators(iter([batch]) for batch in microbatches)
+
+    @torch.no_grad()
+    def evaluate_iterators(self, iterators: Iterable[Iterator]) -> list:
+        """Forward-only pass, one microbatch per iterator handed to the forward step.
 
         Uses its own process group, so it can run between two training steps while
         training activations are still in flight.
@@ -125,13 +144,13 @@ class TwoBWRunner:
         self.stash.point_to(self.stash.newest)
         self.model.eval()
         reports, sends = [], []
-        for batch in microbatches:
+        for data in iterators:
             input_tensor = None
             if not first:
                 input_tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 torch.distributed.recv(input_tensor, links.prev_rank, group=links.group)
             set_input(input_tensor)
-            output, loss_func = self.forward_step_func(iter([batch]), self.model)
+            output, loss_func = self.forward_step_func(data, self.model)
             if last:
                 reports.append(loss_func(output)[2])
             else:
