@@ -1,0 +1,122 @@
+"""Our flags inside Megatron's own argument parser, and their checks.
+
+`add_arguments` appends a "megatron-async" group to every parser Megatron builds
+(so `--help` lists it); `validate` runs after Megatron's validate_args and refuses,
+before any process group exists, what 2bw or a simulated delay cannot honour, each
+message naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from megatron_async.simulated_delay import parse_delays
+
+
+class FlagError(ValueError):
+    """A flag Megatron accepts but the chosen schedule cannot honour; the message names it."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("megatron-async")
+    g.add_argument("--pipeline-schedule", default=None, metavar="NAME",
+                   help="2bw: PipeDream-2BW (no pipeline flush, two weight versions, one-step delay); "
+                        "default: Megatron's own schedule")
+    g.add_argument("--simulated-delay", type=parse_delays, default=(0,), metavar="K|D0,...,DP-1",
+                   help="PP=1: compute the gradient of step t at the weights of step max(t-K, 0); K=1 is the "
+                        "reference 2bw must equal. A list gives each of P would-be stages its own delay")
+    g.add_argument("--simulated-pipeline-stages", type=int, default=None, metavar="P",
+                   help="with --simulated-delay: clip each of P would-be pipeline stages by its own norm")
+    g.add_argument("--delay-correction", default="none", choices=["none", "ef"],
+                   help="ef: apply D_t + lambda (D_t - D_{t-1}) instead of the optimizer's update D_t")
+    g.add_argument("--ef-lambda", type=float, default=1.0, help="lambda of --delay-correction ef")
+    g.add_argument("--layout-invariant-init", action="store_true",
+                   help="seed every weight by --seed and its global name, so any TP/PP/EP layout starts equal")
+    g.add_argument("--metrics-json", default=None, metavar="PATH",
+                   help="one JSON object per iteration (loss, lr, grad norm, s/iter), next to TensorBoard")
+    _escape_percent_in_help(parser)
+    return parser
+
+
+def _escape_percent_in_help(parser: argparse.ArgumentParser) -> None:
+    """argparse formats help with %; one Megatron-Core 0.19.2 help text has a bare '%)'
+    that makes `--help` raise, so bare percent signs are escaped."""
+    for action in parser._actions:
+        if action.help:
+            action.help = re.sub(r"%(?![%(])", "%%", action.help)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise FlagError(message)
+
+
+# Megatron flags whose per-iteration collective spans pipeline stages, with why.
+REFUSED_UNDER_2BW = (
+    ("rerun_mode", lambda v: v != "disabled", "--rerun-mode",
+     "needs --rerun-mode disabled: the rerun state machine all-reduces over all ranks every iteration"),
+    ("exit_duration_in_mins", lambda v: v is not None, "--exit-duration-in-mins",
+     "all-reduces the elapsed time over all ranks every iteration; use --exit-interval"),
+    ("exit_signal_handler", bool, "--exit-signal-handler",
+     "gathers received signals over all ranks every iteration"),
+    ("log_params_norm", bool, "--log-params-norm", "all-reduces the parameter norm across stages every iteration"),
+    ("log_straggler", bool, "--log-straggler", "gathers timings over all ranks"),
+    ("timing_log_level", lambda v: (v or 0) >= 1, "--timing-log-level",
+     "levels >= 1 time with barriers and gather timers over all ranks"),
+    ("calculate_per_token_loss", bool, "--calculate-per-token-loss",
+     "broadcasts the batch token count across stages every step"),
+    ("fp16", bool, "--fp16", "its loss scaling skips steps on an inf/nan check across stages; use --bf16"),
+    ("rampup_batch_size", lambda v: v is not None, "--rampup-batch-size",
+     "changes the microbatch count during training; 2bw's pipeline spans batches"),
+)
+
+
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """Check our flags against Megatron's (after Megatron's validate_args filled derived values)."""
+    delays = args.simulated_delay if isinstance(args.simulated_delay, tuple) else (args.simulated_delay,)
+    args.simulated_stage_delays = delays if len(set(delays)) > 1 else None
+    args.simulated_delay = max(delays)
+    if args.simulated_pipeline_stages is None:
+        args.simulated_pipeline_stages = len(delays) if len(delays) > 1 else 1
+    pp = args.pipeline_model_parallel_size
+    if args.simulated_delay:
+        _require(pp == 1, f"--simulated-delay needs --pipeline-model-parallel-size 1 (got {pp}); "
+                          "use --pipeline-schedule 2bw with PP > 1")
+        _require(len(delays) == 1 or len(delays) == args.simulated_pipeline_stages,
+                 f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is "
+                 f"{args.simulated_pipeline_stages}")
+    if args.pipeline_schedule is None:
+        return args
+    from megatron_async.schedules.registry import available_schedules, get_schedule
+
+    names = available_schedules()
+    _require(args.pipeline_schedule in names,
+             f"--pipeline-schedule {args.pipeline_schedule!r} is not registered; choose one of: {', '.join(names)}")
+    if args.pipeline_schedule == "2bw":
+        _validate_2bw(args)
+    else:
+        _require(get_schedule(args.pipeline_schedule).forward_backward_func is not None,
+                 f"--pipeline-schedule {args.pipeline_schedule!r} can only be simulated (megatron-async-simulate)")
+    return args
+
+
+def _validate_2bw(args: argparse.Namespace) -> None:
+    from megatron_async.schedules.gen_2bw import min_microbatches_2bw
+
+    pp = args.pipeline_model_parallel_size
+    _require(pp > 1, "--pipeline-schedule 2bw needs --pipeline-model-parallel-size > 1 "
+                     "(at PP=1 use --simulated-delay 1)")
+    _require(args.simulated_delay == 0, "--simulated-delay cannot be combined with --pipeline-schedule 2bw")
+    m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    bound = min_microbatches_2bw(pp)
+    _require(m >= bound, f"--pipeline-schedule 2bw with {pp} stages needs at least {bound} microbatches per batch "
+                         f"(--global-batch-size / (--micro-batch-size x data-parallel size) = {m})")
+    _require(not args.virtual_pipeline_model_parallel_size,
+             "--pipeline-schedule 2bw does not support virtual pipeline stages "
+             "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
+    _require(args.untie_embeddings_and_output_weights,
+             "--pipeline-schedule 2bw needs --untie-embeddings-and-output-weights: tied input/output embeddings "
+             "on different stages need a cross-stage gradient all-reduce every step")
+    for name, refused, flag, why in REFUSED_UNDER_2BW:
+        _require(not refused(getattr(args, name, None)), f"--pipeline-schedule 2bw: {flag} {why}")

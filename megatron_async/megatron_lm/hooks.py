@@ -1,0 +1,212 @@
+"""Every Megatron name the plugin hooks, in one place, and `install()`.
+
+Each Hook names a module attribute that Megatron looks up at call time, the line
+of Megatron-Core 0.19.2 (= Megatron-LM core_r0.19.0, f8837c04) that calls it, and
+how it is wrapped. `install()` checks that every name exists before changing
+anything, and fails naming the missing one on another Megatron version.
+Nothing else in the project patches Megatron's training package.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_async.megatron_lm import flags, runtime
+
+_INSTALLED: dict = {}
+
+
+@dataclass(frozen=True)
+class Hook:
+    module: str
+    name: str
+    called_at: str  # where Megatron calls it (megatron/..., 0.19.2)
+    wrap: Callable[[Callable], Callable]  # original -> replacement
+
+
+class MissingHookError(RuntimeError):
+    """This Megatron version lacks a name the plugin hooks."""
+
+
+def _add_megatron_arguments(original):
+    @functools.wraps(original)
+    def hooked(parser):
+        return flags.add_arguments(original(parser))
+
+    return hooked
+
+
+def _validate_args(original):
+    @functools.wraps(original)
+    def hooked(args, *rest, **kwargs):
+        result = original(args, *rest, **kwargs)
+        flags.validate(args)
+        return result
+
+    return hooked
+
+
+def _get_forward_backward_func(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        from megatron.training import get_args
+
+        margs = get_args()
+        if margs.pipeline_schedule == "2bw":
+            return runtime.two_bw_forward_backward
+        func = original(*args, **kwargs)
+        return runtime.simulated_delay(func) if margs.simulated_delay else func
+
+    return hooked
+
+
+def _setup_model_and_optimizer(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        model, optimizer, scheduler = original(*args, **kwargs)
+        return model, runtime.wrap_after_setup(model, optimizer), scheduler
+
+    return hooked
+
+
+def _get_megatron_optimizer(original):
+    @functools.wraps(original)
+    def hooked(config, model_chunks, *args, **kwargs):
+        from megatron.training import get_args
+
+        margs = get_args()
+        if margs.layout_invariant_init:
+            from megatron_async.layout_invariant_init import init_by_global_name, megatron_like
+
+            init_by_global_name(model_chunks, margs.seed, megatron_like(margs.init_method_std, margs.num_layers))
+        if margs.simulated_delay and margs.simulated_pipeline_stages > 1:
+            from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
+
+            clip_like_pipeline_stages(model_chunks, margs.num_layers, margs.simulated_pipeline_stages)
+        return original(config, model_chunks, *args, **kwargs)
+
+    return hooked
+
+
+def _stage_local_reduction(original):
+    """Under 2bw reduce over the stage's tensor-parallel ranks, not TP x PP."""
+
+    @functools.wraps(original)
+    def hooked(value, group=None):
+        if runtime.is_two_bw():
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_tensor_model_parallel_group()
+        return original(value, group=group)
+
+    return hooked
+
+
+def _train(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        if runtime.is_two_bw():
+            from megatron.training import get_timers
+
+            # the interval timer's barrier (every --log-interval) over this stage only
+            get_timers()("interval-time", log_level=0).set_barrier_group(runtime.stage_group())
+        result = original(*args, **kwargs)
+        runtime.finish()
+        return result
+
+    return hooked
+
+
+def _training_log(original):
+    from megatron_async.megatron_lm.metrics import record_iteration
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        record_iteration(original, args, kwargs)
+        return original(*args, **kwargs)
+
+    return hooked
+
+
+def _initialize_megatron(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        from megatron_async import cpu
+
+        if cpu.is_active():
+            kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return hooked
+
+
+def _compile_helpers(original):
+    @functools.wraps(original)
+    def hooked():
+        try:  # the megatron-core wheel ships the built helpers but not their Makefile
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+        except ImportError:
+            return original()
+        return None
+
+    return hooked
+
+
+def _set_jit_fusion_options(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        from megatron_async import cpu
+
+        if cpu.is_active():
+            return None  # its warm-up compiles CUDA kernels
+        return original(*args, **kwargs)
+
+    return hooked
+
+
+T = "megatron.training.training"
+A = "megatron.training.arguments"
+HOOKS = (
+    Hook(A, "add_megatron_arguments", "arguments.py:121 parse_args: every parser, --help", _add_megatron_arguments),
+    Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args),
+    Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func),
+    Hook(T, "setup_model_and_optimizer", "training.py:1228 pretrain", _setup_model_and_optimizer),
+    Hook(T, "get_megatron_optimizer", "training.py:2132 setup_model_and_optimizer", _get_megatron_optimizer),
+    Hook(T, "logical_and_across_model_parallel_group", "training.py:2503 train_step: update_successful",
+         _stage_local_reduction),
+    Hook(T, "reduce_max_stat_across_model_parallel_group",
+         "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
+    Hook(T, "train", "training.py:1423 pretrain", _train),
+    Hook(T, "training_log", "training.py:3985 train", _training_log),
+    Hook(T, "initialize_megatron", "training.py:1091 pretrain (allow_no_cuda on CPU only)", _initialize_megatron),
+    Hook("megatron.core.datasets.utils", "compile_helpers", "initialize.py:178 _compile_dependencies",
+         _compile_helpers),
+    Hook(T, "set_jit_fusion_options", "training.py:1117 pretrain (skipped on CPU only)", _set_jit_fusion_options),
+)
+
+
+def install() -> None:
+    """Hook Megatron's training loop (idempotent). Raises MissingHookError naming
+    the first hooked name this Megatron version lacks, before changing anything."""
+    if _INSTALLED:
+        return
+    modules = {}
+    for hook in HOOKS:
+        try:
+            module = modules.setdefault(hook.module, importlib.import_module(hook.module))
+        except ImportError as err:
+            raise MissingHookError(f"megatron-async: cannot import {hook.module} ({err})") from None
+        if not hasattr(module, hook.name):
+            from megatron.core import __version__
+
+            raise MissingHookError(
+                f"megatron-async: {hook.module}.{hook.name} (called at {hook.called_at} in megatron-core 0.19.2) "
+                f"does not exist in megatron-core {__version__}")
+    for hook in HOOKS:
+        module = modules[hook.module]
+        original = getattr(module, hook.name)
+        _INSTALLED[(hook.module, hook.name)] = original
+        setattr(module, hook.name, hook.wrap(original))

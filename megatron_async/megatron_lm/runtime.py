@@ -1,0 +1,159 @@
+"""2bw and the simulated delay inside Megatron's training loop.
+
+Megatron's train_step calls a forward-backward function once per iteration and
+then steps the optimizer. Under `--pipeline-schedule 2bw` that function is
+`two_bw_forward_backward`: it drives one persistent TwoBWRunner per process,
+which runs this stage's action list up to its optimizer step t, finalises the
+gradients (Megatron's finalize_model_grads) and returns the batch's loss reports,
+leaving the next batch's warm-up forwards in flight. The optimizer Megatron steps
+is a DelayedStepOptimizer: it saves the live weights into the stash before the
+step, checks this stage's gradient norm, and keeps the one-step delay.
+`--simulated-delay K` wraps Megatron's own schedule instead, running it at the
+weights of K steps ago: the reference 2bw must equal.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+from types import SimpleNamespace
+
+from megatron.core import parallel_state
+
+from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
+
+STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None)
+
+
+class DelayedStepOptimizer:
+    """A Megatron optimizer whose step keeps the weight stash in order: the live
+    weights are saved before the step, which then updates them in place.
+
+    Everything else is the wrapped optimizer's (state dicts, loss scale, groups).
+    """
+
+    def __init__(self, optimizer, stash):
+        self.optimizer = optimizer
+        self.stash = stash
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+    def step(self):
+        from megatron.training import get_args
+
+        with self.stash.optimizer_step():
+            update_ok, grad_norm, zeros = self.optimizer.step()
+        if update_ok:
+            grad_norm = step_grad_norm(self.optimizer, grad_norm)
+            check_finite(get_args().curr_iteration + 1, parallel_state.get_pipeline_model_parallel_rank(), grad_norm)
+        # Megatron aliases param.grad to DDP's main_grad during the step; clear it.
+        self.optimizer.zero_grad()
+        return update_ok, grad_norm, zeros
+
+
+def wrap_after_setup(model, optimizer):
+    """After Megatron built (and maybe loaded) the model and optimizer: stage-local
+    gradient statistics, the weight stash, EF and the delayed step. Returns the
+    optimizer Megatron's loop is to use (unchanged for synchronous runs)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    two_bw = args.pipeline_schedule == "2bw"
+    if not (two_bw or args.simulated_delay):
+        return optimizer
+    from megatron_async.pipeline.grad_stats import make_stage_local
+    from megatron_async.weight_stash import WeightStashManager
+
+    if two_bw:
+        make_stage_local(optimizer, args.use_distributed_optimizer)
+    if args.delay_correction == "ef":
+        from megatron_async.delay_correction import ErrorFeedbackOptimizer
+
+        optimizer = ErrorFeedbackOptimizer(optimizer, ef_lambda=args.ef_lambda)
+    # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
+    STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1))
+    return DelayedStepOptimizer(optimizer, STATE.stash)
+
+
+def _runner(model_chunk, forward_step_func):
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+
+    from megatron_async.pipeline.two_bw import TwoBWRunner
+
+    if STATE.runner is None:
+        args = get_args()
+        config = get_model_config(model_chunk)
+        STATE.step = args.iteration
+        STATE.runner = TwoBWRunner(
+            [model_chunk], None, get_num_microbatches(), args.train_iters,
+            activation_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
+            dtype=config.pipeline_dtype or args.params_dtype,
+            forward_step_func=forward_step_func,
+            data_for=lambda _k: STATE.data_iterator,
+            start_batch=args.iteration,
+            stash=STATE.stash,
+            finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
+        )
+    return STATE.runner
+
+
+def _single(x):
+    return x[0] if isinstance(x, list) else x
+
+
+def two_bw_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
+                            **_unused):
+    """Megatron's forward-backward signature, for `--pipeline-schedule 2bw`."""
+    runner = _runner(_single(model), forward_step_func)
+    data_iterator = _single(data_iterator)
+    if forward_only:  # evaluation, on its own process group at the newest weights
+        return runner.evaluate_iterators(itertools.repeat(data_iterator, num_microbatches))
+    STATE.data_iterator = data_iterator
+    reports, _ = runner.train_step(STATE.step)
+    STATE.step += 1
+    return reports
+
+
+def simulated_delay(forward_backward):
+    """Megatron's schedule run at the weights of the configured delay (PP=1)."""
+    from megatron.training import get_args
+
+    def run(*, model, forward_only=False, **kwargs):
+        stash = STATE.stash
+        if forward_only:
+            stash.point_to(stash.newest)
+            return forward_backward(model=model, forward_only=True, **kwargs)
+        if STATE.version_for is None:
+            from megatron_async.simulated_delay import version_for_step
+
+            args = get_args()
+            chunks = model if isinstance(model, list) else [model]
+            delays = args.simulated_stage_delays or (args.simulated_delay,)
+            STATE.version_for = version_for_step(chunks, stash, delays, args.num_layers)
+            STATE.step = args.iteration
+        with stash.use(STATE.version_for(STATE.step)):
+            out = forward_backward(model=model, **kwargs)
+        STATE.step += 1
+        return out
+
+    return run
+
+
+def finish() -> None:
+    """Run the trailing actions of the 2bw pipeline so no neighbour waits on us."""
+    if STATE.runner is not None:
+        STATE.runner.finish()
+
+
+def stage_group():
+    """The ranks of this pipeline stage (tensor x data x context parallel)."""
+    return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+
+
+def is_two_bw() -> bool:
+    from megatron.training import get_args
+
+    return getattr(get_args(), "pipeline_schedule", None) == "2bw"
