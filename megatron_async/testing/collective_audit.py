@@ -1,0 +1,120 @@
+"""Record the process group of every collective a rank runs in steady-state training.
+
+    MEGATRON_ASYNC_AUDIT_DIR=DIR torchrun ... -m megatron_async.testing.collective_audit --gpt ARGS...
+
+Runs `megatron_async.launch` with every torch.distributed collective wrapped. From
+the start of the second training iteration until Megatron's train() returns,
+each call is recorded as (name, global ranks of its group); at exit each rank
+writes DIR/rank<R>.json with its pipeline stage and the records. A test then
+checks that no group holds ranks of two pipeline stages (the claim that 2bw's
+steady state has no cross-stage collective). Point-to-point sends and receives
+are not collectives and are not recorded.
+
+MEGATRON_ASYNC_AUDIT_INJECT=1 adds one world all-reduce per iteration: the
+negative control that shows the audit catches a cross-stage collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
+    "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+)
+START_ITERATION = 2  # the first iteration builds the pipeline and its process groups
+
+_STATE = {"recording": False, "records": [], "steps": 0}
+
+
+def _group_ranks(args, kwargs) -> list[int]:
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _wrap_collective(name: str, original):
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        if _STATE["recording"]:
+            _STATE["recording"] = False  # a collective built from others is recorded once
+            try:
+                _STATE["records"].append((name, _group_ranks(args, kwargs)))
+                return original(*args, **kwargs)
+            finally:
+                _STATE["recording"] = True
+        return original(*args, **kwargs)
+
+    return recorded
+
+
+def _wrap_train_step(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        _STATE["steps"] += 1
+        if _STATE["steps"] >= START_ITERATION:
+            _STATE["recording"] = True
+        if os.environ.get("MEGATRON_ASYNC_AUDIT_INJECT") == "1":
+            import torch
+
+            dist.all_reduce(torch.zeros(1))  # a world all-reduce: spans every stage
+        return original(*args, **kwargs)
+
+    return hooked
+
+
+def _wrap_train(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _STATE["recording"] = False
+
+    return hooked
+
+
+def _write(directory: str) -> None:
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    record = {"rank": rank, "stage": parallel_state.get_pipeline_model_parallel_rank(),
+              "steps": _STATE["steps"], "records": _STATE["records"]}
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def install(directory: str) -> None:
+    import megatron.training.training as training
+
+    for module in (dist, dist.distributed_c10d):
+        for name in COLLECTIVES:
+            if hasattr(module, name):
+                setattr(module, name, _wrap_collective(name, getattr(module, name)))
+    training.train_step = _wrap_train_step(training.train_step)
+    training.train = _wrap_train(training.train)
+    os.makedirs(directory, exist_ok=True)
+    atexit.register(_write, directory)
+
+
+def main() -> int:
+    from megatron_async import launch
+    from megatron_async.megatron_lm.hooks import install as install_plugin
+
+    install_plugin()  # the plugin's hooks first, so the audit wraps what Megatron calls
+    install(os.environ["MEGATRON_ASYNC_AUDIT_DIR"])
+    return launch.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

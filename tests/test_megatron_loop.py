@@ -1,0 +1,147 @@
+"""2bw inside Megatron's own training loop (`megatron.training.pretrain`), CPU and gloo.
+
+- 2bw at PP=2 equals its `--simulated-delay 1 --simulated-pipeline-stages 2` twin at
+  PP=1, iteration by iteration, both in Megatron's loop (fp32 on CPU: a pipeline
+  changes no reduction order inside a layer, so the losses agree to round-off;
+  observed bitwise; allowed 1e-6 relative). Negative control: synchronous PP=1
+  training is another trajectory, and the comparison says so.
+- The collective audit: from the second iteration to the end of training no
+  collective's group holds ranks of two pipeline stages; the same check fails when
+  a world all-reduce is injected.
+- Flags 2bw cannot honour are refused before training, naming the flag.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
+       "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+       "--no-rope-fusion", "--use-cpu-initialization"]
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--untie-embeddings-and-output-weights", "--position-embedding-type", "learned_absolute",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--layout-invariant-init"]
+ITERS = 8
+TRAIN = ["--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--eval-interval", "1000",
+         "--eval-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+         "--num-workers", "0", "--rerun-mode", "disabled"]
+OPTIMIZERS = {
+    "adam": [],
+    "muon": ["--optimizer", "muon"],
+    "muon+ef": ["--optimizer", "muon", "--delay-correction", "ef"],
+}
+RTOL = 1e-6
+TIMEOUT_S = 300
+
+
+def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None):
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", module, "--gpt", *CPU, *MODEL, *TRAIN, "--metrics-json", str(metrics), *extra]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    return proc, metrics
+
+
+def _losses(tmp_path, name, nproc, extra, **kw):
+    proc, metrics = _run(tmp_path, name, nproc, extra, **kw)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    losses = [json.loads(line)["lm_loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == ITERS and all(math.isfinite(x) for x in losses), losses
+    return losses
+
+
+def _assert_same(a, b):
+    for i, (x, y) in enumerate(zip(a, b), 1):
+        assert abs(x - y) <= RTOL * abs(y), f"iteration {i}: {x} vs {y}"
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
+    extra = OPTIMIZERS[optimizer]
+    twin = _losses(tmp_path, "twin", 1, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
+    two_bw = _losses(tmp_path, "2bw", 2, extra + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"])
+    _assert_same(two_bw, twin)
+    if optimizer == "adam":  # negative control: the comparison fails against synchronous training
+        sync = _losses(tmp_path, "sync", 1, extra)
+        with pytest.raises(AssertionError):
+            _assert_same(two_bw, sync)
+
+
+def _audit(tmp_path, nproc, extra, inject=False):
+    directory = tmp_path / "audit"
+    env = {"MEGATRON_ASYNC_AUDIT_DIR": str(directory), "MEGATRON_ASYNC_AUDIT_INJECT": "1" if inject else "0"}
+    proc, _ = _run(tmp_path, "audit", nproc, extra, module="megatron_async.testing.collective_audit", env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(nproc)]
+    stage = {r["rank"]: r["stage"] for r in ranks}
+    assert all(r["steps"] == ITERS for r in ranks), [r["steps"] for r in ranks]
+    crossing = [(r["rank"], name, group) for r in ranks for name, group in r["records"]
+                if len({stage[g] for g in group}) > 1]
+    return crossing, sum(len(r["records"]) for r in ranks)
+
+
+AUDITED = {
+    "adam, PP=2": (2, []),
+    "muon+ef, PP=2": (2, ["--optimizer", "muon", "--delay-correction", "ef"]),
+    "adam dist-opt, PP=2 x DP=2": (4, ["--use-distributed-optimizer"]),
+    # Megatron's layer-wise optimizer drives its per-rank optimizers only with --bf16
+    "muon+ef layer-wise dist-opt, PP=2 x DP=2": (4, ["--optimizer", "muon", "--delay-correction", "ef",
+                                                      "--use-distributed-optimizer", "--bf16"]),
+}
+
+
+@pytest.mark.parametrize("case", list(AUDITED))
+def test_no_collective_spans_two_stages_in_steady_state(tmp_path, case):
+    nproc, extra = AUDITED[case]
+    crossing, total = _audit(tmp_path, nproc, extra + ["--pipeline-model-parallel-size", "2",
+                                                       "--pipeline-schedule", "2bw"])
+    assert not crossing, crossing[:10]
+    if nproc > 2:
+        assert total > 0, "data-parallel runs must record their in-stage collectives"
+
+
+def test_audit_catches_an_injected_cross_stage_all_reduce(tmp_path):
+    crossing, _ = _audit(tmp_path, 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"],
+                         inject=True)
+    assert any(name == "all_reduce" and len(group) == 2 for _rank, name, group in crossing), crossing
+
+
+REFUSED = {
+    "--rerun-mode": ["--rerun-mode", "validate_results"],
+    "--untie-embeddings-and-output-weights": None,
+    "--exit-duration-in-mins": ["--exit-duration-in-mins", "60"],
+    "--log-params-norm": ["--log-params-norm"],
+}
+
+
+@pytest.mark.parametrize("flag", list(REFUSED))
+def test_flags_2bw_cannot_honour_are_refused_before_training(tmp_path, flag):
+    extra = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"] + (REFUSED[flag] or [])
+    cmd_model = [a for a in MODEL if a != flag]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "megatron_async.launch", "--gpt", *CPU, *cmd_model, *TRAIN, *extra]
+    if flag == "--rerun-mode":
+        cmd.remove("disabled")
+        cmd.remove("--rerun-mode")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert "megatron-async: error: --pipeline-schedule 2bw" in proc.stdout and flag in proc.stdout, proc.stdout[-3000:]
+    assert "iteration        1/" not in proc.stdout
+
+
+def test_install_names_a_missing_megatron_function(monkeypatch):
+    from megatron_async.megatron_lm import hooks
+
+    missing = hooks.Hook("megatron.training.training", "no_such_function", "nowhere", lambda f: f)
+    monkeypatch.setattr(hooks, "HOOKS", hooks.HOOKS + (missing,))
+    monkeypatch.setattr(hooks, "_INSTALLED", {})
+    with pytest.raises(hooks.MissingHookError, match="megatron.training.training.no_such_function"):
+        hooks.install()
+    assert not hooks._INSTALLED, "nothing may be hooked when a name is missing"
