@@ -49,6 +49,7 @@ class DelayCorrection:
 
     def __init__(self, optimizer, ef_lambda: float = 1.0):
         self.ef_lambda = float(ef_lambda)
+        self.load_expected = True  # False: the checkpoint to resume holds no EF state (asked for nothing)
         self.steps = 0  # inner steps seen (of the first torch optimizer)
         self._enabled = False
         self._opts = torch_optimizers(optimizer)
@@ -157,7 +158,8 @@ class ErrorFeedbackOptimizer:
         from megatron_async.training.checkpoint import _per_rank_object
 
         state = self.wrapped.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        state[STATE_KEY] = _per_rank_object(STATE_KEY, self.delay_correction.state_dict())
+        if not is_loading or self.delay_correction.load_expected:
+            state[STATE_KEY] = _per_rank_object(STATE_KEY, self.delay_correction.state_dict())
         return state
 
     def load_state_dict(self, state_dict) -> None:

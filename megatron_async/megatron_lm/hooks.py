@@ -14,6 +14,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from megatron_async.megatron_lm import flags, runtime
 
 _INSTALLED: dict = {}
@@ -63,15 +65,6 @@ def _get_forward_backward_func(original):
     return hooked
 
 
-def _setup_model_and_optimizer(original):
-    @functools.wraps(original)
-    def hooked(*args, **kwargs):
-        model, optimizer, scheduler = original(*args, **kwargs)
-        return model, runtime.wrap_after_setup(model, optimizer), scheduler
-
-    return hooked
-
-
 def _get_megatron_optimizer(original):
     @functools.wraps(original)
     def hooked(config, model_chunks, *args, **kwargs):
@@ -86,7 +79,7 @@ def _get_megatron_optimizer(original):
             from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
 
             clip_like_pipeline_stages(model_chunks, margs.num_layers, margs.simulated_pipeline_stages)
-        return original(config, model_chunks, *args, **kwargs)
+        return runtime.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
 
     return hooked
 
@@ -127,6 +120,61 @@ def _training_log(original):
     def hooked(*args, **kwargs):
         record_iteration(original, args, kwargs)
         return original(*args, **kwargs)
+
+    return hooked
+
+
+def _save_checkpoint(original):
+    @functools.wraps(original)
+    def hooked(iteration, *args, **kwargs):
+        result = original(iteration, *args, **kwargs)
+        from megatron.training import get_args
+
+        from megatron_async.megatron_lm.checkpoint import write_marker
+
+        contents = runtime.saved_contents_marker()
+        if contents:
+            write_marker(get_args().save, iteration, contents)
+        return result
+
+    return hooked
+
+
+def _get_rng_state(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        from megatron_async.megatron_lm import checkpoint
+
+        snapshot = checkpoint.rng_for_save(runtime.STATE.step) if runtime.STATE.runner is not None else None
+        if snapshot is None:
+            return original(*args, **kwargs)
+        current = checkpoint.capture_rng()
+        checkpoint.restore_rng(snapshot)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            checkpoint.restore_rng(current)
+
+    return hooked
+
+
+def _build_data_iterators(original):
+    """On CPU, dropout draws from the CPU generator, and so does every DataLoader
+    iterator Megatron builds after restoring a checkpoint's RNG: the draws are
+    undone, so a resumed run drops out exactly as the uninterrupted one (on GPU
+    dropout uses the CUDA generator, which the loaders do not touch)."""
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        from megatron_async import cpu
+
+        if not cpu.is_active():
+            return original(*args, **kwargs)
+        state = torch.get_rng_state()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
 
     return hooked
 
@@ -173,14 +221,20 @@ HOOKS = (
     Hook(A, "add_megatron_arguments", "arguments.py:121 parse_args: every parser, --help", _add_megatron_arguments),
     Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args),
     Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func),
-    Hook(T, "setup_model_and_optimizer", "training.py:1228 pretrain", _setup_model_and_optimizer),
-    Hook(T, "get_megatron_optimizer", "training.py:2132 setup_model_and_optimizer", _get_megatron_optimizer),
+    Hook(T, "get_megatron_optimizer", "training.py:2132 setup_model_and_optimizer (before load_checkpoint, 2199)",
+         _get_megatron_optimizer),
+    Hook(T, "save_checkpoint", "training.py:3086 save_checkpoint_and_time (every save in train), 2181, 2273",
+         _save_checkpoint),
+    Hook("megatron.training.checkpointing", "get_rng_state", "checkpointing.py:645 save_checkpoint",
+         _get_rng_state),
     Hook(T, "logical_and_across_model_parallel_group", "training.py:2503 train_step: update_successful",
          _stage_local_reduction),
     Hook(T, "reduce_max_stat_across_model_parallel_group",
          "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
     Hook(T, "train", "training.py:1423 pretrain", _train),
     Hook(T, "training_log", "training.py:3985 train", _training_log),
+    Hook(T, "build_train_valid_test_data_iterators", "training.py:1362 pretrain (CPU only: RNG kept)",
+         _build_data_iterators),
     Hook(T, "initialize_megatron", "training.py:1091 pretrain (allow_no_cuda on CPU only)", _initialize_megatron),
     Hook("megatron.core.datasets.utils", "compile_helpers", "initialize.py:178 _compile_dependencies",
          _compile_helpers),

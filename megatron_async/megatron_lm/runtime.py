@@ -20,8 +20,10 @@ from types import SimpleNamespace
 
 from megatron.core import parallel_state
 
+from megatron_async.megatron_lm.checkpoint import snapshot_rng
 from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 
+STASH_KEY = "weight_stash"
 STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None)
 
 
@@ -32,12 +34,27 @@ class DelayedStepOptimizer:
     Everything else is the wrapped optimizer's (state dicts, loss scale, groups).
     """
 
-    def __init__(self, optimizer, stash):
+    def __init__(self, optimizer, stash, load_stash: bool = True):
         self.optimizer = optimizer
         self.stash = stash
+        self.load_stash = load_stash  # False: the checkpoint to resume has no stash
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        from megatron_async.training.checkpoint import _per_rank_object
+
+        state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        if not is_loading or self.load_stash:
+            state[STASH_KEY] = _per_rank_object(STASH_KEY, self.stash.state_dict())
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        if isinstance(state_dict, dict) and STASH_KEY in state_dict:
+            state_dict = dict(state_dict)
+            self.stash.load_state_dict(state_dict.pop(STASH_KEY))
+        self.optimizer.load_state_dict(state_dict)
 
     def step(self):
         from megatron.training import get_args
@@ -52,11 +69,13 @@ class DelayedStepOptimizer:
         return update_ok, grad_norm, zeros
 
 
-def wrap_after_setup(model, optimizer):
-    """After Megatron built (and maybe loaded) the model and optimizer: stage-local
-    gradient statistics, the weight stash, EF and the delayed step. Returns the
-    optimizer Megatron's loop is to use (unchanged for synchronous runs)."""
+def wrap_optimizer(model, optimizer):
+    """Right after Megatron builds the optimizer, before it loads a checkpoint:
+    stage-local gradient statistics, the weight stash, EF and the delayed step.
+    Returns the optimizer Megatron's loop is to use (unchanged for synchronous runs)."""
     from megatron.training import get_args
+
+    from megatron_async.megatron_lm.checkpoint import saved_contents
 
     args = get_args()
     two_bw = args.pipeline_schedule == "2bw"
@@ -67,13 +86,26 @@ def wrap_after_setup(model, optimizer):
 
     if two_bw:
         make_stage_local(optimizer, args.use_distributed_optimizer)
+    resumed = saved_contents(args) if args.load else {}
     if args.delay_correction == "ef":
         from megatron_async.delay_correction import ErrorFeedbackOptimizer
 
         optimizer = ErrorFeedbackOptimizer(optimizer, ef_lambda=args.ef_lambda)
+        optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction"))
     # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
     STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1))
-    return DelayedStepOptimizer(optimizer, STATE.stash)
+    return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)))
+
+
+def saved_contents_marker() -> dict:
+    """What a checkpoint of this run holds of ours (written next to it after a save)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    if STATE.stash is None:
+        return {}
+    return {STASH_KEY: True, "delay_correction": args.delay_correction == "ef",
+            "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay}
 
 
 def _runner(model_chunk, forward_step_func):
@@ -96,6 +128,7 @@ def _runner(model_chunk, forward_step_func):
             start_batch=args.iteration,
             stash=STATE.stash,
             finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
+            on_batch_start=snapshot_rng,
         )
     return STATE.runner
 

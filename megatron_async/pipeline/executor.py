@@ -42,6 +42,7 @@ class StageExecutor:
         activation_shape: tuple,
         dtype: torch.dtype,
         device: torch.device,
+        on_batch_start: Optional[Callable[[int], None]] = None,
     ):
         self.model = model
         self.actions = actions
@@ -51,6 +52,7 @@ class StageExecutor:
         self.data_for = data_for
         self.step_func = step_func
         self.m = num_microbatches
+        self.on_batch_start = on_batch_start  # called before a batch's first forward (e.g. RNG snapshot)
         self.shape = activation_shape
         self.dtype = dtype
         self.device = device
@@ -67,6 +69,8 @@ class StageExecutor:
     # --- compute ---------------------------------------------------------------
     def _forward(self, action: Forward) -> None:
         k = action.microbatch
+        if self.on_batch_start is not None and k % self.m == 0:
+            self.on_batch_start(k // self.m)
         input_tensor = None
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()

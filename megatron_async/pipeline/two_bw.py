@@ -63,6 +63,7 @@ class TwoBWRunner:
         clip_grad_mode: str = "stage-local",
         data_for: Callable[[int], Iterator] | None = None,
         finalize_grads: Callable[[], None] | None = None,
+        on_batch_start: Callable[[int], None] | None = None,
     ):
         """`optimizer=None`: the caller (Megatron's train_step) steps the optimizer after
         each `train_step`, through a DelayedStepOptimizer; the runner then only
@@ -93,7 +94,7 @@ class TwoBWRunner:
         self.executor = StageExecutor(
             self.model, actions, self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
-            activation_shape=activation_shape, dtype=dtype, device=self.device,
+            activation_shape=activation_shape, dtype=dtype, device=self.device, on_batch_start=on_batch_start,
         )
 
     def _step(self, step: int):

@@ -1,0 +1,98 @@
+"""The weight stash, EF state and RNG of a 2bw run in Megatron's own checkpoints.
+
+- The stash and the EF state travel inside the optimizer's sharded state dict as
+  per-rank objects (DelayedStepOptimizer / ErrorFeedbackOptimizer), so Megatron's
+  save and load carry them in its own format, with the rest of the optimizer.
+- After Megatron saves, rank 0 writes `megatron_async.json` into the checkpoint
+  directory naming what it holds. On load a state the checkpoint lacks (a 1F1B
+  checkpoint has no stash) is not asked for: the older weight version then starts
+  equal to the newest, and EF starts without a previous update.
+- When Megatron saves after step t, this stage may already have run warm-up
+  forwards of batch t+1, drawing dropout masks. The saved RNG state is the one
+  from before that batch's first forward, so a resumed run, which repeats those
+  forwards, draws the same masks as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import torch
+
+MARKER = "megatron_async.json"
+_RNG_SNAPSHOTS: dict[int, tuple] = {}
+
+
+def capture_rng() -> tuple:
+    from megatron.core import tensor_parallel
+
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.cuda.get_rng_state(),
+            tensor_parallel.get_cuda_rng_tracker().get_states())
+
+
+def restore_rng(state: tuple) -> None:
+    from megatron.core import tensor_parallel
+
+    python, numpy_state, cpu, cuda, tracker = state
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(cpu)
+    torch.cuda.set_rng_state(cuda)
+    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+
+def snapshot_rng(batch: int) -> None:
+    """Before batch `batch`'s first forward on this stage (kept for the last two batches)."""
+    _RNG_SNAPSHOTS[batch] = capture_rng()
+    for old in [b for b in _RNG_SNAPSHOTS if b < batch - 1]:
+        del _RNG_SNAPSHOTS[old]
+
+
+def rng_for_save(next_batch: int):
+    """The RNG state a checkpoint taken before `next_batch` must hold (None: the current one)."""
+    return _RNG_SNAPSHOTS.get(next_batch)
+
+
+def _checkpoint_dir(root: str, iteration: int) -> str:
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    return get_checkpoint_name(root, iteration, return_base_dir=True)
+
+
+def write_marker(root: str, iteration: int, contents: dict) -> None:
+    if torch.distributed.get_rank() != 0:
+        return
+    path = os.path.join(_checkpoint_dir(root, iteration), MARKER)
+    if os.path.isdir(os.path.dirname(path)):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(contents, f)
+
+
+def saved_contents(args) -> dict:
+    """What the checkpoint `--load` will resume holds of ours ({} for none or a foreign one).
+
+    Reads the tracker file directly (Megatron's reader all-reduces), honouring --ckpt-step.
+    """
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    root = args.load
+    if not root:
+        return {}
+    iteration = getattr(args, "ckpt_step", None)
+    if iteration is None:
+        try:
+            with open(get_checkpoint_tracker_filename(root), encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            return {}
+        if not text.isdigit():
+            return {}
+        iteration = int(text)
+    try:
+        with open(os.path.join(_checkpoint_dir(root, iteration), MARKER), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
