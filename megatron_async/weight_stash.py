@@ -149,6 +149,17 @@ class WeightStashManager:
         self.newest += 1
         self._pointed = self.newest
 
+    @torch.no_grad()
+    def start_equal_at(self, step: int) -> None:
+        """Resume at `step` from weights alone (a checkpoint without a stash): every
+        older version the next steps ask for (step-1, ..., step-depth) is a copy of
+        the live weights."""
+        self.newest = step
+        self.copy_live_into_stash(all_slots=True)
+        self._slot_version = [max(step - 1 - slot, 0) for slot in range(self.depth)]
+        self._pointed = None
+        self.point_to(self.newest)
+
     # --- accounting and checkpoints --------------------------------------------
     def num_weight_buffers(self) -> int:
         """Distinct weight versions in memory: the live one plus the stash slots."""

@@ -118,6 +118,8 @@ def _runner(model_chunk, forward_step_func):
     if STATE.runner is None:
         args = get_args()
         config = get_model_config(model_chunk)
+        if STATE.stash.newest != args.iteration:  # resumed from a checkpoint without a stash
+            STATE.stash.start_equal_at(args.iteration)
         STATE.step = args.iteration
         STATE.runner = TwoBWRunner(
             [model_chunk], None, get_num_microbatches(), args.train_iters,
@@ -167,6 +169,8 @@ def simulated_delay(forward_backward):
             delays = args.simulated_stage_delays or (args.simulated_delay,)
             STATE.version_for = version_for_step(chunks, stash, delays, args.num_layers)
             STATE.step = args.iteration
+            if stash.newest != args.iteration:  # resumed from a checkpoint without a stash
+                stash.start_equal_at(args.iteration)
         with stash.use(STATE.version_for(STATE.step)):
             out = forward_backward(model=model, **kwargs)
         STATE.step += 1
