@@ -39,12 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_PERCENT = re.compile(r"%%|%\(\w+\)[a-z]|%")  # an escaped %, a format field, or a bare %
+
+
 def _escape_percent_in_help(parser: argparse.ArgumentParser) -> None:
     """argparse formats help with %; one Megatron-Core 0.19.2 help text has a bare '%)'
     that makes `--help` raise, so bare percent signs are escaped."""
     for action in parser._actions:
-        if action.help:
-            action.help = re.sub(r"%(?![%(])", "%%", action.help)
+        if isinstance(action.help, str):
+            action.help = _PERCENT.sub(lambda m: m.group(0) if len(m.group(0)) > 1 else "%%", action.help)
 
 
 def _require(condition: bool, message: str) -> None:
