@@ -28,17 +28,21 @@ train_args=(
   --tokenizer-type SentencePieceTokenizer
   --tokenizer-model "$DATA/tokenizer.model"
   --data-cache-path "$DATA/cache"               # GPTDataset's sample indices, reused next time
+  --num-workers 0                               # read batches in the training process (2 cores)
   # parallelism: 2 ranks = 2 pipeline stages of 2 layers each
   --pipeline-model-parallel-size 2
   --pipeline-schedule "$SCHEDULE"               # PipeDream-2BW: no flush, 2 weight versions per stage,
-                                                # one-step delayed gradients (SCHEDULE=1f1b: Megatron's)
-  --clip-grad-mode stage-local                  # each stage clips by its own gradient norm: no
-                                                # collective across stages (the default for 2bw)
+                                                # one-step delayed gradients (SCHEDULE=1f1b: Megatron's);
+                                                # each stage clips by its own gradient norm
+  --rerun-mode disabled                         # Megatron's rerun checks all-reduce over every rank each
+                                                # iteration; 2bw refuses them (docs/megatron_lm.md)
   # model: ~1.9M parameters (half in the embeddings); small enough that ~200 steps fit in a few CPU minutes
   --num-layers 4                                # 2 transformer layers per stage
   --hidden-size 128                             # beat hidden 256 in equal time (more steps)
   --num-attention-heads 4                       # head dimension 32
   --seq-length 128                              # ~380 characters of context
+  --max-position-embeddings 128
+  --position-embedding-type learned_absolute
   --untie-embeddings-and-output-weights         # no embedding all-reduce between the stages
   --hidden-dropout 0 --attention-dropout 0      # under one epoch: nothing to regularise
   # batch: 32 sequences = 4,096 tokens per step, as 4 microbatches that fill the pipeline
@@ -64,8 +68,15 @@ train_args=(
   --metrics-json "$OUT/metrics.jsonl"           # one JSON object per iteration / evaluation
   --plot "$OUT/loss.png"                        # train and validation loss, written at the end
 )
-"$BIN/torchrun" --standalone --nproc-per-node 2 -m megatron_async.pretrain_gpt "${train_args[@]}" \
-  2>&1 | tee "$OUT/train.log"
+# Megatron's own training loop (megatron.training.pretrain) with the plugin installed; on a
+# machine without CUDA the launcher adds the CPU flags (--transformer-impl local, gloo, ...).
+"$BIN/torchrun" --standalone --nproc-per-node 2 -m megatron_async.launch --gpt "${train_args[@]}" \
+  > "$OUT/train.log" 2>&1 || { tail -n 40 "$OUT/train.log"; exit 1; }
+# Megatron's progress lines, shortened to iteration, time, loss and grad norm
+awk -F' [|] ' '/ iteration +[0-9]+\/|validation loss at/ {
+  line = ""; for (i = 1; i <= NF; i++) if ($i ~ /^ *(\[[^]]*\] *)?iteration +[0-9]|elapsed|lm loss|grad norm|validation loss/) {
+    sub(/^ *\[[^]]*\] */, "", $i); line = line (line ? " | " : "") $i }
+  print line }' "$OUT/train.log"
 
 # A model that learned nothing predicts uniformly: loss ln(vocab) = ln(4096) = 8.32.
 "$BIN/python" - "$OUT/metrics.jsonl" "$DATA/stats.json" "$SECONDS" <<'EOF'

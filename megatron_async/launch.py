@@ -17,6 +17,22 @@ import runpy
 import sys
 
 
+# What Megatron needs to train on the CPU (no Transformer Engine, apex or fused CUDA
+# kernels; gloo instead of NCCL). Added where CUDA is absent, unless the flag is given.
+CPU_FLAGS = (
+    ("--transformer-impl", "local"), ("--distributed-backend", "gloo"), ("--no-gradient-accumulation-fusion",),
+    ("--no-masked-softmax-fusion",), ("--no-bias-gelu-fusion",), ("--no-bias-swiglu-fusion",),
+    ("--no-bias-dropout-fusion",), ("--no-persist-layer-norm",), ("--no-rope-fusion",),
+    ("--use-cpu-initialization",),
+)
+
+
+def with_cpu_flags(args: list[str]) -> list[str]:
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    extra = [part for flag in CPU_FLAGS if flag[0] not in given for part in flag]
+    return args + extra
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
@@ -27,12 +43,14 @@ def main(argv=None) -> int:
     exit_with_launcher()
     from megatron_async import cpu
 
-    cpu.setup_device("auto")
+    on_cpu = cpu.setup_device("auto") == "cpu"
     from megatron_async.megatron_lm.flags import FlagError
     from megatron_async.megatron_lm.hooks import install
 
     install()
     script, rest = argv[0], argv[1:]
+    if on_cpu:
+        rest = with_cpu_flags(rest)
     try:
         if script == "--gpt":
             from megatron_async.megatron_lm import gpt
@@ -46,6 +64,11 @@ def main(argv=None) -> int:
     except FlagError as err:
         print(f"megatron-async: error: {err}", file=sys.stderr, flush=True)
         return 2
+    from megatron.training import get_args
+
+    from megatron_async.megatron_lm import metrics
+
+    metrics.finish(get_args().plot)
     return 0
 
 

@@ -34,7 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--layout-invariant-init", action="store_true",
                    help="seed every weight by --seed and its global name, so any TP/PP/EP layout starts equal")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
-                   help="one JSON object per iteration (loss, lr, grad norm, s/iter), next to TensorBoard")
+                   help="one JSON object per iteration (loss, lr, grad norm, s/iter) and evaluation, next to "
+                        "TensorBoard (replaced by a fresh run, appended to by a resumed one)")
+    g.add_argument("--plot", default=None, metavar="PNG",
+                   help="with --metrics-json: train and validation loss, drawn when training ends")
     _escape_percent_in_help(parser)
     return parser
 
@@ -89,6 +92,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         _require(len(delays) == 1 or len(delays) == args.simulated_pipeline_stages,
                  f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is "
                  f"{args.simulated_pipeline_stages}")
+    _check_data(args)
     if args.pipeline_schedule is None:
         return args
     from megatron_async.schedules.registry import available_schedules, get_schedule
@@ -123,3 +127,34 @@ def _validate_2bw(args: argparse.Namespace) -> None:
              "on different stages need a cross-stage gradient all-reduce every step")
     for name, refused, flag, why in REFUSED_UNDER_2BW:
         _require(not refused(getattr(args, name, None)), f"--pipeline-schedule 2bw: {flag} {why}")
+
+
+def _prefixes(paths) -> list[str]:
+    """Dataset prefixes of a Megatron path list ("[weight] prefix ..."; weights are numbers)."""
+    out = []
+    for item in paths or []:
+        try:
+            float(item)
+        except ValueError:
+            out.append(item)
+    return out
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """Datasets against the tokenizer and one global batch (megatron_async.data.checks),
+    for indexed datasets given by --data-path or --train/valid-data-path."""
+    if args.mock_data:
+        return
+    train = _prefixes(args.train_data_path) or _prefixes(args.data_path)
+    if not train:
+        return
+    from megatron_async.data.checks import check_training_data
+    from megatron_async.data.errors import DataError
+
+    sentencepiece = args.tokenizer_type == "SentencePieceTokenizer"
+    try:
+        check_training_data(train, _prefixes(args.valid_data_path) or None,
+                            args.tokenizer_model if sentencepiece else None, args.seq_length,
+                            args.global_batch_size, vocab_size=None if sentencepiece else args.vocab_size)
+    except DataError as err:
+        raise FlagError(str(err)) from None

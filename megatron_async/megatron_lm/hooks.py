@@ -179,6 +179,29 @@ def _build_data_iterators(original):
     return hooked
 
 
+def _evaluate_and_print_results(original):
+    from megatron_async.megatron_lm.metrics import evaluation_context
+
+    @functools.wraps(original)
+    def hooked(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs):
+        evaluation_context(prefix, iteration)
+        return original(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs)
+
+    return hooked
+
+
+def _evaluate(original):
+    from megatron_async.megatron_lm.metrics import record_evaluation
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        result = original(*args, **kwargs)
+        record_evaluation(result[0])
+        return result
+
+    return hooked
+
+
 def _initialize_megatron(original):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
@@ -233,6 +256,8 @@ HOOKS = (
          "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
     Hook(T, "train", "training.py:1423 pretrain", _train),
     Hook(T, "training_log", "training.py:3985 train", _training_log),
+    Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results),
+    Hook(T, "evaluate", "training.py:4402 evaluate_and_print_results", _evaluate),
     Hook(T, "build_train_valid_test_data_iterators", "training.py:1362 pretrain (CPU only: RNG kept)",
          _build_data_iterators),
     Hook(T, "initialize_megatron", "training.py:1091 pretrain (allow_no_cuda on CPU only)", _initialize_megatron),

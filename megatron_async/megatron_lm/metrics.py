@@ -14,7 +14,7 @@ import time
 
 from megatron_async.training.metrics import json_line
 
-_STATE = {"file": None, "last": None, "signature": None}
+_STATE = {"file": None, "last": None, "signature": None, "eval": None}
 
 
 def _float(value):
@@ -23,17 +23,26 @@ def _float(value):
     return float(value.item() if hasattr(value, "item") else value)
 
 
-def record_iteration(training_log, args, kwargs) -> None:
+def _writer():
+    """The metrics file on the rank that writes it (the last, where Megatron prints), else None."""
     import torch
     from megatron.training import get_args
 
     margs = get_args()
     if not margs.metrics_json or torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
+        return None
+    if _STATE["file"] is None:
+        os.makedirs(os.path.dirname(os.path.abspath(margs.metrics_json)), exist_ok=True)
+        _STATE["file"] = open(margs.metrics_json, "a" if margs.iteration else "w", encoding="utf-8")
+    return _STATE["file"]
+
+
+def record_iteration(training_log, args, kwargs) -> None:
+    out = _writer()
+    if out is None:
         return
     if _STATE["signature"] is None:
         _STATE["signature"] = inspect.signature(training_log)
-        os.makedirs(os.path.dirname(os.path.abspath(margs.metrics_json)), exist_ok=True)
-        _STATE["file"] = open(margs.metrics_json, "a" if margs.iteration else "w", encoding="utf-8")
     bound = _STATE["signature"].bind(*args, **kwargs).arguments
     now = time.perf_counter()
     seconds = now - _STATE["last"] if _STATE["last"] is not None else None
@@ -41,5 +50,44 @@ def record_iteration(training_log, args, kwargs) -> None:
     losses = {key.replace(" ", "_"): _float(value) for key, value in (bound["loss_dict"] or {}).items()}
     record = dict(iteration=bound["iteration"], **losses, lr=_float(bound["learning_rate"]),
                   grad_norm=_float(bound["grad_norm"]), skipped=bool(bound["skipped_iter"]), s_per_iter=seconds)
-    _STATE["file"].write(json_line(record))
-    _STATE["file"].flush()
+    out.write(json_line(record))
+    out.flush()
+
+
+def evaluation_context(prefix: str, iteration: int) -> None:
+    """Set by evaluate_and_print_results: which split and iteration the next evaluate is for."""
+    _STATE["eval"] = ("test_loss" if "test" in prefix else "val_loss", iteration)
+
+
+def record_evaluation(total_loss_dict) -> None:
+    out = _writer()
+    if out is None or not total_loss_dict or _STATE["eval"] is None:
+        return
+    key, iteration = _STATE["eval"]
+    loss = total_loss_dict.get("lm loss")
+    if loss is not None:
+        out.write(json_line({"iteration": iteration, key: _float(loss)}))
+        out.flush()
+
+
+def finish(plot_path) -> None:
+    """Close the metrics file; with --plot, draw train and validation loss from it."""
+    out = _STATE["file"]
+    if out is None:
+        return
+    out.close()
+    _STATE["file"] = None
+    if plot_path:
+        import json
+
+        from megatron.training import get_args
+
+        from megatron_async.training.metrics import plot_losses
+
+        args = get_args()
+        records = [json.loads(line) for line in open(args.metrics_json, encoding="utf-8")]
+        train = [(r["iteration"], r["lm_loss"]) for r in records if r.get("lm_loss") is not None]
+        valid = [(r["iteration"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        schedule = args.pipeline_schedule or "megatron"
+        plot_losses(plot_path, train, valid, title=f"GPT {args.num_layers}L/{args.hidden_size}H, {schedule}, "
+                                                   f"{args.optimizer}")
