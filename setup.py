@@ -18,6 +18,7 @@ setup(
         "numpy==2.5.5",
         "matplotlib==3.11.2",
         "psutil==7.2.2",  # Megatron dist_checkpointing writers
+        "tensorboard==2.21.0",  # Megatron's --tensorboard-dir
     ],
     extras_require={
         "test": [

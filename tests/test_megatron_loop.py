@@ -185,3 +185,18 @@ def test_2bw_resumes_from_a_1f1b_checkpoint(tmp_path):
     records = [json.loads(line) for line in second.read_text().splitlines()]
     assert [r["iteration"] for r in records] == list(range(5, ITERS + 1))
     assert all(math.isfinite(r["lm_loss"]) for r in records)
+
+
+def test_tensorboard_gets_2bw_losses(tmp_path):
+    """Megatron's own --tensorboard-dir works under 2bw: the last rank writes the lm loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    proc, _ = _run(tmp_path, "tb", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
+                                       "--tensorboard-dir", str(board), "--tensorboard-log-interval", "1"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert "lm loss" in events.Tags()["scalars"], events.Tags()
+    steps = [e.step for e in events.Scalars("lm loss")]
+    assert steps == list(range(1, ITERS + 1)), steps
