@@ -29,7 +29,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "megatron-async-pretrain=megatron_async.pretrain_gpt:main",
+            "megatron-async-pretrain=megatron_async.launch:main_gpt",
             "megatron-async-prepare-data=megatron_async.data.prepare:main",
             "megatron-async-simulate=megatron_async.schedules.simulate_cli:main",
         ],

@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     on_cpu = cpu.setup_device("auto") == "cpu"
     from megatron_async.megatron_lm.flags import FlagError
     from megatron_async.megatron_lm.hooks import install
+    from megatron_async.pipeline.non_finite import NonFiniteError
 
     install()
     script, rest = argv[0], argv[1:]
@@ -64,12 +65,21 @@ def main(argv=None) -> int:
     except FlagError as err:
         print(f"megatron-async: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as err:
+        rank = os.environ.get("RANK", "0")
+        print(f"megatron-async: rank {rank}: stopped: {err}", file=sys.stderr, flush=True)
+        return 3
     from megatron.training import get_args
 
     from megatron_async.megatron_lm import metrics
 
     metrics.finish(get_args().plot)
     return 0
+
+
+def main_gpt() -> int:
+    """`megatron-async-pretrain ARGS`: the plugin's GPT entry in Megatron's loop (= launch --gpt ARGS)."""
+    return main(["--gpt", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -73,18 +73,33 @@ def _alive(pid):
         return False
 
 
-def test_workers_exit_when_the_launcher_is_killed(tmp_path):
-    stats = tmp_path / "stats"
-    args = MOCK + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--train-iters", "100000",
-                   "--log-interval", "5", "--eval-interval", "100000", "--rank-stats-dir", stats]
+MEGATRON_LOOP = ["--gpt", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                 "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--untie-embeddings-and-output-weights", "--mock-data",
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-workers", "0",
+                 "--rerun-mode", "disabled", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
+                 "--train-iters", "100000", "--lr", "1e-4", "--log-interval", "5", "--eval-interval", "100000",
+                 "--eval-iters", "1"]
+
+
+@pytest.mark.parametrize("entry", ["megatron_async.pretrain_gpt", "megatron_async.launch"])
+def test_workers_exit_when_the_launcher_is_killed(tmp_path, entry):
+    progress = tmp_path / "progress.jsonl"
+    if entry == "megatron_async.launch":  # Megatron's own loop
+        args = MEGATRON_LOOP + ["--metrics-json", progress]
+    else:
+        stats = tmp_path / "stats"
+        progress = stats / "rank0.jsonl"
+        args = MOCK + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--train-iters",
+                       "100000", "--log-interval", "5", "--eval-interval", "100000", "--rank-stats-dir", stats]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "megatron_async.pretrain_gpt", *map(str, args)]
+           "-m", entry, *map(str, args)]
     launcher = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     workers = []
     try:
         deadline = time.monotonic() + 180
-        while not (stats / "rank0.jsonl").exists() or not (stats / "rank0.jsonl").read_text():
+        while not progress.exists() or not progress.read_text():
             assert launcher.poll() is None, "the run ended before it trained"
             assert time.monotonic() < deadline, "training did not start within 180 s"
             time.sleep(0.5)

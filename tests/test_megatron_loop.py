@@ -200,3 +200,26 @@ def test_tensorboard_gets_2bw_losses(tmp_path):
     assert "lm loss" in events.Tags()["scalars"], events.Tags()
     steps = [e.step for e in events.Scalars("lm loss")]
     assert steps == list(range(1, ITERS + 1)), steps
+
+
+@pytest.mark.parametrize("megatron_check", [True, False])
+def test_non_finite_loss_stops_2bw_before_any_checkpoint(tmp_path, megatron_check):
+    """--lr 1e3 --clip-grad 0 diverges: Megatron's own stage-local NaN check in the gradient
+    sync stops the run, or, with --no-check-for-nan-in-loss-and-grad, ours after the step;
+    either names the iteration, nothing is checkpointed and the metrics stay strict JSON."""
+    save = tmp_path / "ckpt"
+    extra = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--lr", "1e3", "--clip-grad", "0",
+             "--lr-decay-style", "constant", "--save", str(save), "--save-interval", "1000", "--train-iters", "60"]
+    if not megatron_check:
+        extra.append("--no-check-for-nan-in-loss-and-grad")
+    proc, metrics = _run(tmp_path, "nan", 2, extra)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    expected = "found NaN" if megatron_check else "stopped: iteration"
+    assert expected in proc.stdout and "iteration" in proc.stdout, proc.stdout[-3000:]
+    assert not save.exists() or not any(save.iterdir())
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    records = [json.loads(line, parse_constant=refuse) for line in metrics.read_text().splitlines()]
+    assert records and records[-1]["iteration"] < 60

@@ -105,7 +105,19 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     else:
         _require(get_schedule(args.pipeline_schedule).forward_backward_func is not None,
                  f"--pipeline-schedule {args.pipeline_schedule!r} can only be simulated (megatron-async-simulate)")
+        picked = megatron_picks(args)
+        _require(args.pipeline_schedule == picked,
+                 f"--pipeline-schedule {args.pipeline_schedule!r}: with --pipeline-model-parallel-size {pp} and "
+                 f"{'' if args.virtual_pipeline_model_parallel_size else 'no '}virtual stages Megatron runs "
+                 f"{picked!r}")
     return args
+
+
+def megatron_picks(args: argparse.Namespace) -> str:
+    """The schedule Megatron's get_forward_backward_func chooses for this layout."""
+    if args.pipeline_model_parallel_size == 1:
+        return "no-pipelining"
+    return "interleaved-1f1b" if args.virtual_pipeline_model_parallel_size else "1f1b"
 
 
 def _validate_2bw(args: argparse.Namespace) -> None:
