@@ -4,8 +4,9 @@
     python -m bench.soak --quick              # 200 iterations (what the smoke test runs)
 
 Trains a small GPT (4 layers, hidden 64, seq 64, micro-batch 2, global batch 8) on
-the Shakespeare corpus with `--pipeline-schedule 2bw` at PP=2 on 2 CPU processes,
-checkpointing every 500 iterations, and reads each rank's `--rank-stats-dir`
+the Shakespeare corpus with `--pipeline-schedule 2bw` at PP=2 on 2 CPU processes, in
+Megatron's own training loop, checkpointing every 500 iterations (Megatron's
+checkpoints, stash included), and reads each rank's `--rank-stats-dir`
 records (mean s/iter, RSS, pending point-to-point sends every 100 iterations).
 
 Targets (issue 13), per rank: the mean time per iteration of the last 500
@@ -23,10 +24,12 @@ import time
 from pathlib import Path
 
 from bench.sweep_runner import prepare_dirs
-from megatron_async.testing.launch import torchrun_pretrain
+from megatron_async.testing.launch import torchrun_megatron
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--position-embedding-type", "learned_absolute",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
+         "--rerun-mode", "disabled", "--num-workers", "0",
          "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--optimizer", "adam",
          "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "50"]
 TIME_TOLERANCE = 0.05
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
         str(settle), "--rank-stats-dir", stats_dir, "--metrics-json", root / "metrics.jsonl",
     ]
     started = time.monotonic()
-    proc = torchrun_pretrain(cmd, nproc=2, timeout_s=4 * 3600)
+    proc = torchrun_megatron(cmd, nproc=2, timeout_s=4 * 3600)
     if proc.returncode != 0:
         print(proc.stdout[-5000:])
         return proc.returncode
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
     met = all(r["late_over_early"] <= 1 + TIME_TOLERANCE and r["rss_growth_mb"] < RSS_GROWTH_MB
               for r in ranks.values())
     summary = {"iters": iters, "settle": settle, "seconds": round(time.monotonic() - started, 1),
-               "command": "torchrun --nproc-per-node 2 -m megatron_async.pretrain_gpt " + " ".join(map(str, cmd)),
+               "command": "torchrun --nproc-per-node 2 -m megatron_async.launch --gpt " + " ".join(map(str, cmd)),
                "targets_met": None if args.quick else met, "ranks": ranks}
     (root / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"soak: {iters} iterations in {summary['seconds']:.0f} s")

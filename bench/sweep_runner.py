@@ -1,6 +1,7 @@
 """Running many `megatron-async-pretrain` jobs for a benchmark sweep, resumably.
 
-Each run is a subprocess with its own directory OUT/runs/NAME; a finished run
+Each run is a subprocess (Megatron's own training loop with the plugin) with its own
+directory OUT/runs/NAME; a finished run
 leaves result.json there (final validation loss, curves, seconds, command) and is
 skipped by the next invocation, so an interrupted sweep resumes where it stopped.
 Runs go `parallel` at a time, one thread each, with a progress line per run.
@@ -59,6 +60,7 @@ class Model:
             "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, self.iters // 10)),
             "--weight-decay", "0.1", "--clip-grad", "1.0",
+            "--position-embedding-type", "learned_absolute", "--rerun-mode", "disabled", "--num-workers", "0",
         ]
 
 
@@ -80,7 +82,7 @@ class Run:
             "--train-data-path", str(data / "train_text_document"),
             "--valid-data-path", str(data / "valid_text_document"),
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(data / "tokenizer.model"),
-            "--data-cache-path", str(data / "cache"), "--device", "cpu",
+            "--data-cache-path", str(data / "cache"),
             "--metrics-json", str(out / "metrics.jsonl"),
         ]
 
@@ -98,7 +100,7 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float) ->
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(run.nproc),
-           "-m", "megatron_async.pretrain_gpt", *run.args(model, data, out)]
+           "-m", "megatron_async.launch", "--gpt", *run.args(model, data, out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
     with open(out / "train.log", "w", encoding="utf-8") as log:

@@ -155,15 +155,13 @@ class ErrorFeedbackOptimizer:
             return self.wrapped.step()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        from megatron_async.training.checkpoint import _per_rank_object
+        from megatron_async.per_rank_state import add_state
 
         state = self.wrapped.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        if not is_loading or self.delay_correction.load_expected:
-            state[STATE_KEY] = _per_rank_object(STATE_KEY, self.delay_correction.state_dict())
-        return state
+        return add_state(state, STATE_KEY, self.delay_correction.state_dict, is_loading,
+                         self.delay_correction.load_expected)
 
     def load_state_dict(self, state_dict) -> None:
-        if isinstance(state_dict, dict) and STATE_KEY in state_dict:
-            state_dict = dict(state_dict)
-            self.delay_correction.load_state_dict(state_dict.pop(STATE_KEY))
-        self.wrapped.load_state_dict(state_dict)
+        from megatron_async.per_rank_state import pop_state
+
+        self.wrapped.load_state_dict(pop_state(state_dict, STATE_KEY, self.delay_correction.load_state_dict))

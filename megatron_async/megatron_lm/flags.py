@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--metrics-json", default=None, metavar="PATH",
                    help="one JSON object per iteration (loss, lr, grad norm, s/iter) and evaluation, next to "
                         "TensorBoard (replaced by a fresh run, appended to by a resumed one)")
+    g.add_argument("--rank-stats-dir", default=None, metavar="DIR",
+                   help="every rank writes DIR/rank<R>.jsonl each --log-interval: its mean s/iter, RSS and "
+                        "pending point-to-point sends (no collective)")
     g.add_argument("--plot", default=None, metavar="PNG",
                    help="with --metrics-json: train and validation loss, drawn when training ends")
     _escape_percent_in_help(parser)

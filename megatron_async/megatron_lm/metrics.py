@@ -37,16 +37,41 @@ def _writer():
     return _STATE["file"]
 
 
-def record_iteration(training_log, args, kwargs) -> None:
-    out = _writer()
-    if out is None:
+def _rank_stats(iteration: int, seconds) -> None:
+    """--rank-stats-dir: every rank's own pace, RSS and pending sends (no collective)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    if not args.rank_stats_dir:
         return
+    if _STATE.get("rank_stats") is None:
+        import torch
+
+        from megatron_async.training.metrics import RankStats
+
+        _STATE["rank_stats"] = RankStats(args.rank_stats_dir, torch.distributed.get_rank(),
+                                         resumed_from=args.iteration)
+    stats = _STATE["rank_stats"]
+    if seconds is not None:
+        stats.iteration(seconds)
+    if iteration % args.log_interval == 0 or iteration == args.train_iters:
+        from megatron_async.megatron_lm.runtime import STATE
+
+        extra = {"pending_sends": STATE.runner.pending_sends} if STATE.runner is not None else {}
+        stats.flush(iteration, **extra)
+
+
+def record_iteration(training_log, args, kwargs) -> None:
     if _STATE["signature"] is None:
         _STATE["signature"] = inspect.signature(training_log)
     bound = _STATE["signature"].bind(*args, **kwargs).arguments
     now = time.perf_counter()
     seconds = now - _STATE["last"] if _STATE["last"] is not None else None
     _STATE["last"] = now
+    _rank_stats(bound["iteration"], seconds)
+    out = _writer()
+    if out is None:
+        return
     losses = {key.replace(" ", "_"): _float(value) for key, value in (bound["loss_dict"] or {}).items()}
     record = dict(iteration=bound["iteration"], **losses, lr=_float(bound["learning_rate"]),
                   grad_norm=_float(bound["grad_norm"]), skipped=bool(bound["skipped_iter"]), s_per_iter=seconds)

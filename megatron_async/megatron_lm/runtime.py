@@ -43,18 +43,15 @@ class DelayedStepOptimizer:
         return getattr(self.optimizer, name)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        from megatron_async.training.checkpoint import _per_rank_object
+        from megatron_async.per_rank_state import add_state
 
         state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        if not is_loading or self.load_stash:
-            state[STASH_KEY] = _per_rank_object(STASH_KEY, self.stash.state_dict())
-        return state
+        return add_state(state, STASH_KEY, self.stash.state_dict, is_loading, self.load_stash)
 
     def load_state_dict(self, state_dict) -> None:
-        if isinstance(state_dict, dict) and STASH_KEY in state_dict:
-            state_dict = dict(state_dict)
-            self.stash.load_state_dict(state_dict.pop(STASH_KEY))
-        self.optimizer.load_state_dict(state_dict)
+        from megatron_async.per_rank_state import pop_state
+
+        self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self.stash.load_state_dict))
 
     def step(self):
         from megatron.training import get_args

@@ -9,11 +9,17 @@ from typing import Sequence
 
 
 def torchrun_pretrain(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None) -> subprocess.CompletedProcess:
-    """Run the trainer on `nproc` local ranks; the whole process group dies on timeout."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "megatron_async.pretrain_gpt", *map(str, args),
-    ]
+    """Run the stand-alone trainer on `nproc` local ranks; the whole process group dies on timeout."""
+    return _torchrun(["-m", "megatron_async.pretrain_gpt", *map(str, args)], nproc, timeout_s, cwd)
+
+
+def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None) -> subprocess.CompletedProcess:
+    """Run the plugin's GPT entry in Megatron's own training loop on `nproc` local ranks."""
+    return _torchrun(["-m", "megatron_async.launch", "--gpt", *map(str, args)], nproc, timeout_s, cwd)
+
+
+def _torchrun(entry: list, nproc: int, timeout_s: float, cwd) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd, start_new_session=True)

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core import dist_checkpointing
+from megatron_async.per_rank_state import per_rank_object
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -46,15 +46,6 @@ def _set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _per_rank_object(key: str, state) -> ShardedObject:
-    """One record per (PP, TP, DP) rank (RNG states, weight stash): each rank restores its own."""
-    pp = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size())
-    tp = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
-    dp = (parallel_state.get_data_parallel_rank(with_context_parallel=True),
-          parallel_state.get_data_parallel_world_size(with_context_parallel=True))
-    return ShardedObject(key, state, (pp[1], tp[1], dp[1]), (pp[0], tp[0], dp[0]), replica_id=0)
 
 
 class Checkpointer:
@@ -88,9 +79,9 @@ class Checkpointer:
         state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
         state["scheduler"] = self.scheduler.state_dict()
         state["iteration"] = iteration
-        state["rng_state"] = _per_rank_object("rng_state", _rng_state())
+        state["rng_state"] = per_rank_object("rng_state", _rng_state())
         for name, obj in self.extra_state.items():
-            state[name] = _per_rank_object(name, obj.state_dict())
+            state[name] = per_rank_object(name, obj.state_dict())
         return state
 
     def save(self, iteration: int) -> str:
