@@ -30,6 +30,7 @@ MUON_MOMENTUM = "0.95"
 OPTIMIZER_FLAGS = {
     "muon": ["--muon-momentum", MUON_MOMENTUM, "--muon-extra-scale-factor", "0.2"],
 }
+SEED_BASE = 1000  # run seed s trains with Megatron's --seed 1000 + s (Megatron refuses seeds <= 0)
 MODES = {
     "sync": [],
     "async": ["--simulated-delay", "1"],
@@ -77,7 +78,7 @@ class Run:
     def args(self, model: Model, data: Path, out: Path) -> list[str]:
         return [
             *model.flags(), "--optimizer", self.optimizer, *OPTIMIZER_FLAGS.get(self.optimizer, []),
-            "--lr", f"{self.lr:g}", "--min-lr", f"{self.lr / 10:g}", "--seed", str(self.seed),
+            "--lr", f"{self.lr:g}", "--min-lr", f"{self.lr / 10:g}", "--seed", str(SEED_BASE + self.seed),
             *MODES[self.mode], *self.extra,
             "--train-data-path", str(data / "train_text_document"),
             "--valid-data-path", str(data / "valid_text_document"),
