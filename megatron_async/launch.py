@@ -53,15 +53,7 @@ def main(argv=None) -> int:
     if on_cpu:
         rest = with_cpu_flags(rest)
     try:
-        if script == "--gpt":
-            from megatron_async.megatron_lm import gpt
-
-            sys.argv = ["megatron_async.megatron_lm.gpt", *rest]
-            gpt.main()
-        else:
-            sys.argv = [script, *rest]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
+        _run(script, rest)
     except FlagError as err:
         print(f"megatron-async: error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -69,12 +61,37 @@ def main(argv=None) -> int:
         rank = os.environ.get("RANK", "0")
         print(f"megatron-async: rank {rank}: stopped: {err}", file=sys.stderr, flush=True)
         return 3
+    except SystemExit:  # Megatron's own exits (--exit-interval, ...) end training cleanly
+        _finish()
+        raise
+    _finish()
+    return 0
+
+
+def _run(script: str, rest: list[str]) -> None:
+    if script == "--gpt":
+        from megatron_async.megatron_lm import gpt
+
+        sys.argv = ["megatron_async.megatron_lm.gpt", *rest]
+        gpt.main()
+    else:
+        sys.argv = [script, *rest]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def _finish() -> None:
+    """After training: the metrics plot, then every rank leaves the process groups
+    together (Megatron does not destroy them; gloo's threads then abort the exit)."""
+    import torch.distributed as dist
     from megatron.training import get_args
 
     from megatron_async.megatron_lm import metrics
 
-    metrics.finish(get_args().plot)
-    return 0
+    if dist.is_initialized():
+        metrics.finish(get_args().plot)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main_gpt() -> int:

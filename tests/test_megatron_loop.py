@@ -73,6 +73,15 @@ def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
             _assert_same(two_bw, sync)
 
 
+def test_2bw_equals_its_twin_with_the_distributed_optimizer_at_dp2(tmp_path):
+    """PP=2 x DP=2 (4 ranks) against the twin at PP=1 x DP=2, both with Megatron's
+    distributed optimizer; clipping on (stage-local norm over each stage's DP ranks)."""
+    extra = ["--use-distributed-optimizer"]
+    twin = _losses(tmp_path, "twin", 2, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
+    two_bw = _losses(tmp_path, "2bw", 4, extra + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"])
+    _assert_same(two_bw, twin)
+
+
 def _audit(tmp_path, nproc, extra, inject=False):
     directory = tmp_path / "audit"
     env = {"MEGATRON_ASYNC_AUDIT_DIR": str(directory), "MEGATRON_ASYNC_AUDIT_INJECT": "1" if inject else "0"}

@@ -4,8 +4,8 @@
 
 Runs `megatron_async.launch` with every torch.distributed collective wrapped. From
 the start of the second training iteration until Megatron's train() returns,
-each call is recorded as (name, global ranks of its group); at exit each rank
-writes DIR/rank<R>.json with its pipeline stage and the records. A test then
+each call is recorded as (name, global ranks of its group); when train() ends each
+rank writes DIR/rank<R>.json with its pipeline stage and the records. A test then
 checks that no group holds ranks of two pipeline stages (the claim that 2bw's
 steady state has no cross-stage collective). Point-to-point sends and receives
 are not collectives and are not recorded.
@@ -16,7 +16,6 @@ negative control that shows the audit catches a cross-stage collective.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
@@ -71,13 +70,14 @@ def _wrap_train_step(original):
     return hooked
 
 
-def _wrap_train(original):
+def _wrap_train(original, directory: str):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
         try:
             return original(*args, **kwargs)
         finally:
             _STATE["recording"] = False
+            _write(directory)
 
     return hooked
 
@@ -102,9 +102,8 @@ def install(directory: str) -> None:
             if hasattr(module, name):
                 setattr(module, name, _wrap_collective(name, getattr(module, name)))
     training.train_step = _wrap_train_step(training.train_step)
-    training.train = _wrap_train(training.train)
+    training.train = _wrap_train(training.train, directory)
     os.makedirs(directory, exist_ok=True)
-    atexit.register(_write, directory)
 
 
 def main() -> int:
