@@ -116,3 +116,23 @@ def test_trainer_refuses_mismatched_tokenizer_before_any_process_group(small_cor
     lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and lines[0].startswith("megatron-async-pretrain: error: --train-data-path"), proc.stderr
     assert str(small_corpus / "train_text_document") in lines[0] and str(vocab300 / "tokenizer.model") in lines[0]
+
+
+def test_megatrons_loop_refuses_mismatched_tokenizer_before_any_process_group(small_corpus, vocab300):
+    """The same refusal in Megatron's own loop (launcher, Megatron's argument validation), as
+    rank 1 of 2 with no rank 0: it exits 2 at once, naming dataset and tokenizer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--train-iters", "2", "--seq-length", "32", "--max-position-embeddings", "32",
+            "--eval-interval", "10", "--tokenizer-type", "SentencePieceTokenizer"]
+    args += _data(small_corpus, tokenizer_folder=vocab300)
+    proc = subprocess.run([sys.executable, "-m", "megatron_async.launch", "--gpt", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("megatron-async: error:")]
+    assert len(lines) == 1 and "--train-data-path" in lines[0], proc.stderr[-3000:]
+    assert str(small_corpus / "train_text_document") in lines[0] and str(vocab300 / "tokenizer.model") in lines[0]
