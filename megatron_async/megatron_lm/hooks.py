@@ -158,27 +158,6 @@ def _get_rng_state(original):
     return hooked
 
 
-def _build_data_iterators(original):
-    """On CPU, dropout draws from the CPU generator, and so does every DataLoader
-    iterator Megatron builds after restoring a checkpoint's RNG: the draws are
-    undone, so a resumed run drops out exactly as the uninterrupted one (on GPU
-    dropout uses the CUDA generator, which the loaders do not touch)."""
-
-    @functools.wraps(original)
-    def hooked(*args, **kwargs):
-        from megatron_async import cpu
-
-        if not cpu.is_active():
-            return original(*args, **kwargs)
-        state = torch.get_rng_state()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            torch.set_rng_state(state)
-
-    return hooked
-
-
 def _evaluate_and_print_results(original):
     from megatron_async.megatron_lm.metrics import evaluation_context
 
@@ -202,16 +181,39 @@ def _evaluate(original):
     return hooked
 
 
-def _initialize_megatron(original):
-    @functools.wraps(original)
-    def hooked(*args, **kwargs):
-        from megatron_async import cpu
+def _on_cpu(adjust):
+    """A hook that runs `adjust(original, *args, **kwargs)` where the CPU emulation is
+    active and leaves the call alone elsewhere (on GPUs nothing changes)."""
 
-        if cpu.is_active():
-            kwargs["allow_no_cuda"] = True
+    def wrap(original):
+        @functools.wraps(original)
+        def hooked(*args, **kwargs):
+            from megatron_async import cpu
+
+            if cpu.is_active():
+                return adjust(original, *args, **kwargs)
+            return original(*args, **kwargs)
+
+        return hooked
+
+    return wrap
+
+
+def _keep_cpu_rng(original, *args, **kwargs):
+    """On CPU, dropout draws from the CPU generator, and so does every DataLoader
+    iterator Megatron builds after restoring a checkpoint's RNG: the draws are
+    undone, so a resumed run drops out exactly as the uninterrupted one (on GPU
+    dropout uses the CUDA generator, which the loaders do not touch)."""
+    state = torch.get_rng_state()
+    try:
         return original(*args, **kwargs)
+    finally:
+        torch.set_rng_state(state)
 
-    return hooked
+
+_build_data_iterators = _on_cpu(_keep_cpu_rng)
+_initialize_megatron = _on_cpu(lambda original, *args, **kwargs: original(*args, **{**kwargs, "allow_no_cuda": True}))
+_set_jit_fusion_options = _on_cpu(lambda original, *args, **kwargs: None)  # its warm-up compiles CUDA kernels
 
 
 def _compile_helpers(original):
@@ -222,18 +224,6 @@ def _compile_helpers(original):
         except ImportError:
             return original()
         return None
-
-    return hooked
-
-
-def _set_jit_fusion_options(original):
-    @functools.wraps(original)
-    def hooked(*args, **kwargs):
-        from megatron_async import cpu
-
-        if cpu.is_active():
-            return None  # its warm-up compiles CUDA kernels
-        return original(*args, **kwargs)
 
     return hooked
 
