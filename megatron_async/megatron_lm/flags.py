@@ -9,6 +9,7 @@ message naming the flag.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 from megatron_async.simulated_delay import parse_delays
@@ -88,16 +89,12 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     args.simulated_delay = max(delays)
     if args.simulated_pipeline_stages is None:
         args.simulated_pipeline_stages = len(delays) if len(delays) > 1 else 1
-    pp = args.pipeline_model_parallel_size
-    if args.simulated_delay:
-        _require(pp == 1, f"--simulated-delay needs --pipeline-model-parallel-size 1 (got {pp}); "
-                          "use --pipeline-schedule 2bw with PP > 1")
-        _require(len(delays) == 1 or len(delays) == args.simulated_pipeline_stages,
-                 f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is "
-                 f"{args.simulated_pipeline_stages}")
+    _check_simulated_delay(args, delays)
+    _check_optimizer(args)
     _check_data(args)
     if args.pipeline_schedule is None:
         return args
+    pp = args.pipeline_model_parallel_size
     from megatron_async.schedules.registry import available_schedules, get_schedule
 
     names = available_schedules()
@@ -114,6 +111,40 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
                  f"{'' if args.virtual_pipeline_model_parallel_size else 'no '}virtual stages Megatron runs "
                  f"{picked!r}")
     return args
+
+
+def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
+    pp, stages = args.pipeline_model_parallel_size, args.simulated_pipeline_stages
+    _require(stages >= 1, f"--simulated-pipeline-stages must be >= 1 (got {stages})")
+    _require(len(delays) == 1 or len(delays) == stages,
+             f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is {stages}")
+    if args.simulated_delay:
+        _require(pp == 1, f"--simulated-delay needs --pipeline-model-parallel-size 1 (got {pp}); "
+                          "use --pipeline-schedule 2bw with PP > 1")
+        _require(not args.calculate_per_token_loss,
+                 "--simulated-delay does not support --calculate-per-token-loss (2bw cannot honour it either)")
+    if stages > 1:
+        _require(args.simulated_delay > 0, "--simulated-pipeline-stages needs --simulated-delay")
+        _require(args.num_layers % stages == 0,
+                 f"--num-layers ({args.num_layers}) is not divisible by the {stages} stages of "
+                 "--simulated-pipeline-stages / --simulated-delay")
+
+
+def _check_optimizer(args: argparse.Namespace) -> None:
+    """What Megatron would only find when it builds the optimizer, after the process groups."""
+    _require(args.ef_lambda >= 0.0, f"--ef-lambda must be >= 0 (got {args.ef_lambda})")
+    if "muon" not in args.optimizer:
+        return
+    _require(args.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1 (got {args.muon_num_ns_steps})")
+    try:
+        from megatron.core.optimizer.emerging_optimizers import get_supported_coefficient_types
+
+        types = [t for t in get_supported_coefficient_types() if t != "custom"]
+    except (ImportError, AssertionError):
+        return
+    _require(args.muon_coefficient_type in types,
+             f"--muon-coefficient-type {args.muon_coefficient_type!r} is not available; choose one of: "
+             f"{', '.join(types)}")
 
 
 def megatron_picks(args: argparse.Namespace) -> str:
@@ -167,6 +198,10 @@ def _check_data(args: argparse.Namespace) -> None:
     from megatron_async.data.errors import DataError
 
     sentencepiece = args.tokenizer_type == "SentencePieceTokenizer"
+    if sentencepiece:
+        _require(args.tokenizer_model is not None and os.path.isfile(args.tokenizer_model),
+                 f"--tokenizer-model {args.tokenizer_model}: no such file (needed by --tokenizer-type "
+                 "SentencePieceTokenizer)")
     try:
         check_training_data(train, _prefixes(args.valid_data_path) or None,
                             args.tokenizer_model if sentencepiece else None, args.seq_length,

@@ -1,0 +1,128 @@
+"""Flags the plugin cannot honour are refused by Megatron's own argument validation,
+before any process group exists, with a message naming the flag.
+
+Every case goes through `parse_and_validate_args` with the plugin installed, as the
+launcher's GPT entry runs it first (megatron_async.testing.refusals, one process
+for all cases). A valid 2bw command line is accepted (the negative control: the
+harness does not refuse everything). That a refusal reaches the user as one line
+and exit 2 on every rank under torchrun is in tests/test_megatron_loop.py and
+tests/test_data_checks.py.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
+        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "10",
+        "--rerun-mode", "disabled", "--untie-embeddings-and-output-weights"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+TWO_BW = PP2 + ["--pipeline-schedule", "2bw"]
+
+
+def _without(args, *flags):
+    """args with each flag (and its value, when it takes one) removed."""
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = i + 1 < len(args) and not args[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out
+
+
+# name: (world size, command line, text the one-line message must contain)
+CASES = {
+    "unknown schedule": (1, BASE + ["--pipeline-schedule", "zigzag"], "--pipeline-schedule 'zigzag'"),
+    "simulation-only schedule": (2, BASE + PP2 + ["--pipeline-schedule", "gpipe"], "can only be simulated"),
+    "schedule Megatron would not run": (2, BASE + PP2 + ["--pipeline-schedule", "no-pipelining"],
+                                        "Megatron runs '1f1b'"),
+    "2bw without pipelining": (1, BASE + ["--pipeline-schedule", "2bw"], "--pipeline-model-parallel-size > 1"),
+    "tied embeddings": (2, _without(BASE, "--untie-embeddings-and-output-weights") + TWO_BW,
+                        "--untie-embeddings-and-output-weights"),
+    "rerun state machine": (2, _without(BASE, "--rerun-mode") + TWO_BW, "--rerun-mode"),
+    "per-token loss": (2, BASE + TWO_BW + ["--calculate-per-token-loss"], "--calculate-per-token-loss"),
+    "fp16 loss scaling": (2, BASE + TWO_BW + ["--fp16"], "--fp16"),
+    "exit duration": (2, BASE + TWO_BW + ["--exit-duration-in-mins", "60"], "--exit-duration-in-mins"),
+    "exit signal handler": (2, BASE + TWO_BW + ["--exit-signal-handler"], "--exit-signal-handler"),
+    "parameter norm": (2, BASE + TWO_BW + ["--log-params-norm"], "--log-params-norm"),
+    "timing barriers": (2, BASE + TWO_BW + ["--timing-log-level", "1"], "--timing-log-level"),
+    "too few microbatches": (4, _without(BASE, "--num-layers", "--global-batch-size") + [
+        "--num-layers", "4", "--global-batch-size", "4", "--pipeline-model-parallel-size", "4",
+        "--pipeline-schedule", "2bw"], "at least 3 microbatches"),
+    "simulated delay with pipelining": (2, BASE + PP2 + ["--simulated-delay", "1"], "--simulated-delay"),
+    "simulated delay with 2bw": (2, BASE + TWO_BW + ["--simulated-delay", "1"], "--simulated-delay"),
+    "stage delays that do not split the layers": (1, BASE + ["--simulated-delay", "1,0,0"], "--num-layers (2)"),
+    "stage delays vs stages": (1, BASE + ["--simulated-delay", "1,0", "--simulated-pipeline-stages", "1"],
+                               "lists 2 stage delays"),
+    "simulated stages without a delay": (1, BASE + ["--simulated-pipeline-stages", "2"], "needs --simulated-delay"),
+    "simulated delay with per-token loss": (1, BASE + ["--simulated-delay", "1", "--calculate-per-token-loss"],
+                                            "--calculate-per-token-loss"),
+    "negative EF lambda": (1, BASE + ["--delay-correction", "ef", "--ef-lambda", "-0.5"], "--ef-lambda"),
+    "unknown delay correction": (1, BASE + ["--delay-correction", "sgd"], "--delay-correction"),
+    "Newton-Schulz steps": (1, BASE + ["--optimizer", "muon", "--muon-num-ns-steps", "0"], "--muon-num-ns-steps"),
+    "coefficient set": (1, BASE + ["--optimizer", "muon", "--muon-coefficient-type", "nonsense"],
+                        "--muon-coefficient-type 'nonsense'"),
+    "unknown optimizer": (1, BASE + ["--optimizer", "adamax9000"], "--optimizer"),
+}
+ACCEPTED = {
+    "2bw": (2, BASE + TWO_BW),
+    "2bw, muon + EF, distributed optimizer": (4, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "ef",
+                                                                  "--use-distributed-optimizer"]),
+    "simulated stage delays": (1, BASE + ["--simulated-delay", "1,0"]),
+    "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),
+}
+
+
+def _data_cases(small_corpus, tmp_path):
+    """Refusals of data that Megatron would only meet after the process groups exist."""
+    data = _without(BASE, "--mock-data", "--tokenizer-type", "--vocab-size")
+    sp = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(small_corpus / "tokenizer.model")]
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"empty_text_document{ext}").write_bytes(b"")
+    return {
+        "missing dataset": (1, data + sp + ["--train-data-path", "/nonexistent/train_text_document"],
+                            "--train-data-path"),
+        "missing tokenizer": (1, data + ["--train-data-path", str(small_corpus / "train_text_document"),
+                                         "--tokenizer-type", "SentencePieceTokenizer",
+                                         "--tokenizer-model", "/nonexistent/tokenizer.model"], "--tokenizer-model"),
+        "validation split under one batch": (1, _without(data, "--seq-length", "--max-position-embeddings") + sp + [
+            "--seq-length", "2048", "--max-position-embeddings", "2048",
+            "--train-data-path", str(small_corpus / "train_text_document"),
+            "--valid-data-path", str(small_corpus / "valid_text_document")],
+            "--global-batch-size 8 x --seq-length 2048 + 1 = 16,385"),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(small_corpus, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("refusals")
+    cases = {name: {"world": w, "argv": argv} for name, (w, argv, _) in CASES.items()}
+    cases.update({name: {"world": w, "argv": argv} for name, (w, argv, _) in _data_cases(small_corpus, tmp_path).items()})
+    cases.update({name: {"world": w, "argv": argv} for name, (w, argv) in ACCEPTED.items()})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, "-m", "megatron_async.testing.refusals", str(tmp_path / "cases.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp_path / "out.json").read_text()), _data_cases(small_corpus, tmp_path)
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["missing dataset", "missing tokenizer",
+                                                "validation split under one batch"])
+def test_refused_before_training_naming_the_flag(results, name):
+    found, data_cases = results
+    needle = (CASES.get(name) or data_cases[name])[2]
+    assert found[name]["refused"], f"{name}: accepted"
+    error = found[name]["error"]
+    assert needle in error and "\n" not in error.strip(), error
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_valid_command_lines_are_accepted(results, name):
+    assert not results[0][name]["refused"], results[0][name]["error"]
