@@ -92,6 +92,12 @@ def run_name(optimizer: str, lr: float, mode: str, seed: int, tag: str = "") -> 
     return f"{optimizer}_lr{lr:g}_{mode}_s{seed}{tag}"
 
 
+def _final_val_loss(records):
+    """Megatron's evaluation after training, else the last one during training."""
+    final = [r["final_val_loss"] for r in records if "final_val_loss" in r]
+    return final[-1] if final else [r["val_loss"] for r in records if "val_loss" in r][-1]
+
+
 def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float) -> dict:
     """Run one training job unless its result.json exists; return the result."""
     out = root / "runs" / run.name
@@ -114,7 +120,7 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float) ->
     vals = [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r]
     losses = [(r["iteration"], r["lm_loss"]) for r in records if r.get("lm_loss") is not None]
     result = dict(name=run.name, optimizer=run.optimizer, lr=run.lr, mode=run.mode, seed=run.seed,
-                  nproc=run.nproc, final_val_loss=vals[-1][1], val_curve=vals, train_curve=losses,
+                  nproc=run.nproc, final_val_loss=_final_val_loss(records), val_curve=vals, train_curve=losses,
                   seconds=round(seconds, 1), command=" ".join(cmd[1:]))
     result_path.write_text(json.dumps(result))
     return result

@@ -83,7 +83,10 @@ awk -F' [|] ' '/ iteration +[0-9]+\/|validation loss at/ {
 import json, math, sys
 
 metrics, stats, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-vals = [r["val_loss"] for r in map(json.loads, open(metrics)) if "val_loss" in r]
+records = [json.loads(line) for line in open(metrics)]
+# Megatron's evaluation after training (final_val_loss), else the last one during training
+vals = [r["val_loss"] for r in records if "val_loss" in r] + [r["final_val_loss"] for r in records
+                                                             if "final_val_loss" in r]
 vocab = json.load(open(stats))["vocab_size"]
 uniform = math.log(vocab)
 if not vals:

@@ -9,10 +9,9 @@ the values Megatron's training_log receives; nothing is communicated.
 from __future__ import annotations
 
 import inspect
-import os
 import time
 
-from megatron_async.training.metrics import json_line
+from megatron_async.megatron_lm.records import json_line, open_for_run, read_records
 
 _STATE = {"file": None, "last": None, "signature": None, "eval": None}
 
@@ -32,8 +31,7 @@ def _writer():
     if not margs.metrics_json or torch.distributed.get_rank() != torch.distributed.get_world_size() - 1:
         return None
     if _STATE["file"] is None:
-        os.makedirs(os.path.dirname(os.path.abspath(margs.metrics_json)), exist_ok=True)
-        _STATE["file"] = open(margs.metrics_json, "a" if margs.iteration else "w", encoding="utf-8")
+        _STATE["file"] = open_for_run(margs.metrics_json, margs.iteration)
     return _STATE["file"]
 
 
@@ -47,7 +45,7 @@ def _rank_stats(iteration: int, seconds) -> None:
     if _STATE.get("rank_stats") is None:
         import torch
 
-        from megatron_async.training.metrics import RankStats
+        from megatron_async.megatron_lm.rank_stats import RankStats
 
         _STATE["rank_stats"] = RankStats(args.rank_stats_dir, torch.distributed.get_rank(),
                                          resumed_from=args.iteration)
@@ -81,7 +79,13 @@ def record_iteration(training_log, args, kwargs) -> None:
 
 def evaluation_context(prefix: str, iteration: int) -> None:
     """Set by evaluate_and_print_results: which split and iteration the next evaluate is for."""
-    _STATE["eval"] = ("test_loss" if "test" in prefix else "val_loss", iteration)
+    if "test set" in prefix:
+        key = "test_loss"
+    elif "validation set" in prefix:  # Megatron's evaluation after training, on further batches
+        key = "final_val_loss"
+    else:  # "iteration N": every --eval-interval during training
+        key = "val_loss"
+    _STATE["eval"] = (key, iteration)
 
 
 def record_evaluation(total_loss_dict) -> None:
@@ -103,14 +107,12 @@ def finish(plot_path) -> None:
     out.close()
     _STATE["file"] = None
     if plot_path:
-        import json
-
         from megatron.training import get_args
 
-        from megatron_async.training.metrics import plot_losses
+        from megatron_async.megatron_lm.loss_plot import plot_losses
 
         args = get_args()
-        records = [json.loads(line) for line in open(args.metrics_json, encoding="utf-8")]
+        records = read_records(args.metrics_json)
         train = [(r["iteration"], r["lm_loss"]) for r in records if r.get("lm_loss") is not None]
         valid = [(r["iteration"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
         schedule = args.pipeline_schedule or "megatron"
