@@ -1,4 +1,4 @@
-"""The trainer refuses datasets that do not belong to its tokenizer, or hold less than one global batch."""
+"""Megatron's loop, with the plugin, refuses datasets that do not belong to its tokenizer, or hold less than one global batch."""
 
 import json
 import os
@@ -17,11 +17,6 @@ from megatron_async.data.checks import (
     max_token_id,
 )
 from megatron_async.data.errors import DataError
-from megatron_async.pretrain_gpt import main
-
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "2",
-         "--train-iters", "2", "--device", "cpu"]
-
 
 @pytest.fixture(scope="module")
 def vocab300(tmp_path_factory, text_files):
@@ -89,33 +84,6 @@ def test_less_than_one_global_batch_is_refused_with_the_numbers(small_corpus):
     message = str(err.value)
     assert f"{tokens:,} tokens" in message and f"--seq-length {tokens}" in message
     assert "--global-batch-size 1" in message and f"{tokens + 1:,}" in message
-
-
-def test_trainer_refuses_too_small_validation_split(small_corpus, monkeypatch, capsys):
-    """Through main(): train (39k tokens) holds a batch of 8 x 2048, validation (11k) does not."""
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    args = MODEL + ["--seq-length", "2048", "--global-batch-size", "8"] + _data(small_corpus)
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("megatron-async-pretrain: error: --valid-data-path"), err
-    assert "--global-batch-size 8 x --seq-length 2048 + 1 = 16,385" in err[0]
-
-
-def test_trainer_refuses_mismatched_tokenizer_before_any_process_group(small_corpus, vocab300):
-    """The console entry point as rank 1 of 2 with no rank 0 running: had it reached the process
-    group it would wait for its peer until the timeout; it exits 2 at once, naming dataset and tokenizer."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    args = MODEL + ["--seq-length", "32"] + _data(small_corpus, tokenizer_folder=vocab300)
-    proc = subprocess.run([sys.executable, "-m", "megatron_async.pretrain_gpt", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1 and lines[0].startswith("megatron-async-pretrain: error: --train-data-path"), proc.stderr
-    assert str(small_corpus / "train_text_document") in lines[0] and str(vocab300 / "tokenizer.model") in lines[0]
 
 
 def test_megatrons_loop_refuses_mismatched_tokenizer_before_any_process_group(small_corpus, vocab300):

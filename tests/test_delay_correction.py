@@ -9,8 +9,8 @@
 - DP=2 with the distributed optimizer, and with the layer-wise distributed Muon,
   equals DP=1 (the buffer is sharded like the main parameters), to the layout
   tolerances of tests/test_two_bw.py (weights to 10% of one Adam step);
-- the EF state is saved with the optimizer and a resumed trainer run equals the
-  uninterrupted one (lm_loss of iterations 4..6, 1e-6).
+- the EF state is saved with the optimizer in Megatron's checkpoint and a run
+  resumed in Megatron's loop equals the uninterrupted one (lm_loss of 4..6, 1e-6).
 """
 
 import json
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_async.delay_correction import DelayCorrection, ErrorFeedbackOptimizer, torch_optimizers
-from megatron_async.testing.launch import torchrun_pretrain
+from megatron_async.testing.launch import torchrun_megatron
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT
 
@@ -186,11 +186,12 @@ def test_ef_with_layer_wise_distributed_muon():
     _assert_same(ref, results, LAYOUT_RTOL, 2e-3, LAYOUT_LOSS_RTOL)  # atol: 10% of one Adam step at lr 2e-2
 
 
-# --- in the trainer -------------------------------------------------------------------
+# --- in Megatron's training loop ------------------------------------------------------
 
-TRAINER = ["--mock-data", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "64",
-           "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-           "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+TRAINER = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-layers", "2",
+           "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+           "--max-position-embeddings", "32", "--lr", "1e-3", "--micro-batch-size", "2", "--global-batch-size", "8",
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--rerun-mode", "disabled",
            "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1", "--simulated-delay", "1"]
 MUON_EF = ["--train-iters", "6", "--optimizer", "muon", "--delay-correction", "ef"]
 
@@ -203,15 +204,15 @@ def _losses(path):
 
 def test_trainer_resume_restores_ef_state(tmp_path):
     full, resumed, ckpt = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl", tmp_path / "ckpt"
-    run = torchrun_pretrain(TRAINER + MUON_EF + ["--save", ckpt, "--save-interval", "3", "--metrics-json", full],
+    run = torchrun_megatron(TRAINER + MUON_EF + ["--save", ckpt, "--save-interval", "3", "--metrics-json", full],
                             nproc=1, timeout_s=200)
     assert run.returncode == 0, run.stdout[-4000:]
     # the previous update is saved with the optimizer, one record per rank
     assert b"delay_correction/shard_" in (ckpt / "iter_0000003" / ".metadata").read_bytes()
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
-    run = torchrun_pretrain(TRAINER + MUON_EF + ["--load", ckpt, "--metrics-json", resumed], nproc=1, timeout_s=200)
+    run = torchrun_megatron(TRAINER + MUON_EF + ["--load", ckpt, "--metrics-json", resumed], nproc=1, timeout_s=200)
     assert run.returncode == 0, run.stdout[-4000:]
-    assert "resumed from" in run.stdout
+    assert "at iteration 3" in run.stdout  # Megatron's "successfully loaded checkpoint ... at iteration 3"
     a, b = _losses(full), _losses(resumed)
     assert sorted(b) == [4, 5, 6]
     for it in (4, 5, 6):
@@ -225,7 +226,7 @@ def test_trainer_lambda_zero_is_plain_with_bf16_distributed_optimizer(tmp_path):
     runs = {}
     for name, extra in (("plain", []), ("zero", ["--delay-correction", "ef", "--ef-lambda", "0"])):
         path = tmp_path / f"{name}.jsonl"
-        run = torchrun_pretrain(base + ["--metrics-json", path] + extra, nproc=2, timeout_s=200)
+        run = torchrun_megatron(base + ["--metrics-json", path] + extra, nproc=2, timeout_s=200)
         assert run.returncode == 0, run.stdout[-4000:]
         with open(path, encoding="utf-8") as f:
             runs[name] = [{k: v for k, v in json.loads(line).items() if k not in ("s_per_iter", "tokens_per_s")}

@@ -223,3 +223,30 @@ def test_non_finite_loss_stops_2bw_before_any_checkpoint(tmp_path, megatron_chec
 
     records = [json.loads(line, parse_constant=refuse) for line in metrics.read_text().splitlines()]
     assert records and records[-1]["iteration"] < 60
+
+
+def _records_without_timing(path):
+    return [{k: v for k, v in json.loads(line).items() if k != "s_per_iter"} for line in path.read_text().splitlines()]
+
+
+def test_simulated_delay_zero_is_plain_training(tmp_path):
+    """`--simulated-delay 0` (the default) takes no stash path: the records equal those of
+    a run without the flag, exactly."""
+    runs = {}
+    for name, extra in (("plain", []), ("zero", ["--simulated-delay", "0"])):
+        proc, metrics = _run(tmp_path, name, 1, extra + ["--train-iters", "4"])
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        runs[name] = _records_without_timing(metrics)
+    assert runs["plain"] and runs["plain"] == runs["zero"]
+
+
+def test_stage_delay_list(tmp_path):
+    """`--simulated-delay 1,1` is `--simulated-delay 1 --simulated-pipeline-stages 2`; `1,0`
+    (the last stage current) is another trajectory. Exactness of per-stage delays against
+    an independent reference: tests/test_stage_delays.py."""
+    clip = ["--clip-grad", "0.1"]
+    listed = _losses(tmp_path, "listed", 1, clip + ["--simulated-delay", "1,1"])
+    twin = _losses(tmp_path, "twin", 1, clip + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
+    mixed = _losses(tmp_path, "mixed", 1, clip + ["--simulated-delay", "1,0"])
+    assert listed == twin
+    assert max(abs(a - b) for a, b in zip(mixed[2:], twin[2:])) > 1e-5

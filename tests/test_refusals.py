@@ -17,7 +17,7 @@ import pytest
 
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "10",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "10", "--lr", "1e-3",
         "--rerun-mode", "disabled", "--untie-embeddings-and-output-weights"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TWO_BW = PP2 + ["--pipeline-schedule", "2bw"]
@@ -39,6 +39,7 @@ def _without(args, *flags):
 
 # name: (world size, command line, text the one-line message must contain)
 CASES = {
+    "no learning rate": (1, _without(BASE, "--lr"), "--lr is required"),
     "unknown schedule": (1, BASE + ["--pipeline-schedule", "zigzag"], "--pipeline-schedule 'zigzag'"),
     "simulation-only schedule": (2, BASE + PP2 + ["--pipeline-schedule", "gpipe"], "can only be simulated"),
     "schedule Megatron would not run": (2, BASE + PP2 + ["--pipeline-schedule", "no-pipelining"],
@@ -70,6 +71,7 @@ CASES = {
     "coefficient set": (1, BASE + ["--optimizer", "muon", "--muon-coefficient-type", "nonsense"],
                         "--muon-coefficient-type 'nonsense'"),
     "unknown optimizer": (1, BASE + ["--optimizer", "adamax9000"], "--optimizer"),
+    "optimizer that cannot step": (1, BASE + ["--optimizer", "adaptive_muon"], "--optimizer 'adaptive_muon'"),
 }
 ACCEPTED = {
     "2bw": (2, BASE + TWO_BW),
@@ -77,6 +79,8 @@ ACCEPTED = {
                                                                   "--use-distributed-optimizer"]),
     "simulated stage delays": (1, BASE + ["--simulated-delay", "1,0"]),
     "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),
+    "lion": (1, BASE + ["--optimizer", "lion"]),
+    "soap": (1, BASE + ["--optimizer", "soap"]),
 }
 
 

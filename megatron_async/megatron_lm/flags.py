@@ -132,7 +132,13 @@ def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
 
 def _check_optimizer(args: argparse.Namespace) -> None:
     """What Megatron would only find when it builds the optimizer, after the process groups."""
+    _require(args.lr is not None or args.skip_train, "--lr is required (Megatron has no default learning rate)")
     _require(args.ef_lambda >= 0.0, f"--ef-lambda must be >= 0 (got {args.ef_lambda})")
+    from megatron_async.megatron_lm.optimizer_probe import failure
+
+    broken = failure(args.optimizer)
+    _require(broken is None, f"--optimizer {args.optimizer!r} fails its first step with the installed "
+                             f"emerging-optimizers ({broken})")
     if "muon" not in args.optimizer:
         return
     _require(args.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1 (got {args.muon_num_ns_steps})")

@@ -1,4 +1,4 @@
-"""Launch `megatron-async-pretrain` under torchrun from tests and benchmarks, with a timeout."""
+"""Run the plugin's GPT entry in Megatron's loop under torchrun from tests and benchmarks, with a timeout."""
 
 from __future__ import annotations
 
@@ -6,11 +6,6 @@ import os
 import subprocess
 import sys
 from typing import Sequence
-
-
-def torchrun_pretrain(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None) -> subprocess.CompletedProcess:
-    """Run the stand-alone trainer on `nproc` local ranks; the whole process group dies on timeout."""
-    return _torchrun(["-m", "megatron_async.pretrain_gpt", *map(str, args)], nproc, timeout_s, cwd)
 
 
 def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None) -> subprocess.CompletedProcess:

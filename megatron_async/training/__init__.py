@@ -1,1 +1,0 @@
-"""The trainer behind `megatron-async-pretrain`: flags, model, data, loop, checkpoints."""
