@@ -96,7 +96,7 @@ def test_megatrons_loop_refuses_mismatched_tokenizer_before_any_process_group(sm
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", "2", "--seq-length", "32", "--max-position-embeddings", "32",
-            "--eval-interval", "10", "--tokenizer-type", "SentencePieceTokenizer"]
+            "--eval-interval", "10", "--lr", "1e-3", "--tokenizer-type", "SentencePieceTokenizer"]
     args += _data(small_corpus, tokenizer_folder=vocab300)
     proc = subprocess.run([sys.executable, "-m", "megatron_async.launch", "--gpt", *args], env=env,
                           capture_output=True, text=True, timeout=120)

@@ -118,3 +118,15 @@ def test_2bw_with_expert_parallel_moe_and_stage_local_clipping():
     (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **moe), STEPS)
     results = run_distributed(train_entry, 4, TinyGPT(pp=2, ep=2, schedule="2bw", **moe), STEPS)
     _assert_equal_trajectory(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+
+
+@pytest.mark.parametrize("stop", [0, 3])
+def test_an_early_stop_drains_the_pipeline_without_training_further(stop):
+    """A run planned for 500 iterations stops after `stop + 1` (as with --exit-interval):
+    every stage ends (the harness times out on a hang) having run no forward beyond the
+    warm-up of the next batch, and holding no pending send."""
+    spec = TinyGPT(pp=4, schedule="2bw", planned_iterations=500, **COMMON)
+    results = run_distributed(train_entry, 4, spec, stop + 1)
+    m = spec.num_microbatches(4)
+    for r in results:
+        assert r["forwards"] <= (stop + 2) * m, (r["rank"], r["forwards"])

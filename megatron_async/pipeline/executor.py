@@ -22,7 +22,7 @@ import torch
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_async.pipeline.p2p import PendingSends, StageLinks, post_run
-from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, is_comm
+from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, RecvActivation, SendActivation, is_comm
 from megatron_async.weight_stash import WeightStashManager
 
 
@@ -43,9 +43,15 @@ class StageExecutor:
         dtype: torch.dtype,
         device: torch.device,
         on_batch_start: Optional[Callable[[int], None]] = None,
+        prev_actions: Optional[list] = None,
     ):
+        """`prev_actions`: the previous stage's list (None on the first stage), read only
+        by `finish` to know what that stage sent before it stopped."""
         self.model = model
         self.actions = actions
+        self.prev_actions = prev_actions
+        self.last_step: Optional[int] = None  # the last OptimizerStep run
+        self.forwards = 0
         self.links = links
         self.stash = stash
         self.forward_step_func = forward_step_func
@@ -69,6 +75,7 @@ class StageExecutor:
     # --- compute ---------------------------------------------------------------
     def _forward(self, action: Forward) -> None:
         k = action.microbatch
+        self.forwards += 1
         if self.on_batch_start is not None and k % self.m == 0:
             self.on_batch_start(k // self.m)
         input_tensor = None
@@ -127,6 +134,7 @@ class StageExecutor:
                 self._backward(action)
             elif isinstance(action, OptimizerStep):
                 result = self._optimizer_step(action)
+                self.last_step = action.step
                 self.pending_sends.retire_through(action.step - 1)
                 if stop is not None and action.step == stop:
                     return True, result
@@ -143,7 +151,33 @@ class StageExecutor:
         return self._reports.pop(step, []), result
 
     def finish(self) -> None:
-        """Run what is left (trailing sends) so neighbours are not left waiting."""
-        self._run_until(None)
+        """Leave the pipeline clean without training any further batch.
+
+        When training stops (its last iteration, `--exit-interval`), each stage has
+        stopped right after its OptimizerStep(t). The previous stage may already have
+        sent activations of batch t+1's warm-up forwards that this stage has not
+        received; an unmatched send can hold NCCL at exit. So this stage receives
+        exactly those (known from the previous stage's list) and drops them, then
+        waits for its own sends, which the next stage receives the same way. Only
+        receives downstream are waited for, so no cycle, hence no deadlock.
+        At the end of the list only the trailing actions (sends) are left: run them.
+        """
+        if not any(isinstance(a, OptimizerStep) for a in self.actions[self.pos:]):
+            self._run_until(None)
+        elif self.prev_actions is not None and self.last_step is not None:
+            received = {a.microbatch for a in self.actions[:self.pos] if isinstance(a, RecvActivation)}
+            missing = [RecvActivation(k, self.links.stage - 1) for k in self._sent_by_prev(self.last_step)
+                       if k not in received]
+            if missing:
+                post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
         self.pending_sends.wait_all()
 
+    def _sent_by_prev(self, step: int) -> list[int]:
+        """Microbatches whose activations the previous stage sent up to its OptimizerStep(step)."""
+        sent = []
+        for action in self.prev_actions:
+            if isinstance(action, SendActivation):
+                sent.append(action.microbatch)
+            elif isinstance(action, OptimizerStep) and action.step == step:
+                break
+        return sent

@@ -86,7 +86,9 @@ class TwoBWRunner:
             raise ValueError(f"--clip-grad-mode must be stage-local or stale-global, got {clip_grad_mode!r}")
         self.stale_norm = StaleGlobalNorm(duplicate_pipeline_group()) if clip_grad_mode == "stale-global" else None
         schedule = get_schedule_generator("2bw")(p, num_microbatches, num_batches - start_batch)
-        actions = shift_actions(schedule[self.links.stage], start_batch, num_microbatches)
+        stage = self.links.stage
+        actions = shift_actions(schedule[stage], start_batch, num_microbatches)
+        prev_actions = shift_actions(schedule[stage - 1], start_batch, num_microbatches) if stage else None
         self.stash = stash or WeightStashManager(model, depth=1)
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         if data_for is None:
@@ -95,6 +97,7 @@ class TwoBWRunner:
             self.model, actions, self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
             activation_shape=activation_shape, dtype=dtype, device=self.device, on_batch_start=on_batch_start,
+            prev_actions=prev_actions,
         )
 
     def _step(self, step: int):

@@ -55,6 +55,7 @@ class TinyGPT:
     init_by_name: bool = False  # layout-independent init, so different PP/TP layouts start equal
     clip_stages: int = 1  # PP=1 only: clip like a pipeline of this many stages (stage-local norms)
     clip_grad_mode: str = "stage-local"  # 2bw: or "stale-global"
+    planned_iterations: Optional[int] = None  # 2bw: the run planned this many and stops early (--exit-interval)
     extra_optimizer_config: dict = field(default_factory=dict)
 
     def dp(self, world_size: int) -> int:
@@ -213,7 +214,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
     if schedule == "2bw":
         make_stage_local(optimizer, spec.use_distributed_optimizer)
         runner = TwoBWRunner(
-            model, optimizer, num_micro, iterations,
+            model, optimizer, num_micro, spec.planned_iterations or iterations,
             activation_shape=(spec.seq_length, spec.micro_batch_size, spec.hidden_size),
             dtype=torch.float32, forward_step_func=gpt_forward_step,
             get_microbatch=microbatch_getter(spec, num_micro),
@@ -226,6 +227,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
             grads_present.append(True)
         extra["pending_sends"] = runner.pending_sends
         runner.finish()
+        extra["forwards"] = runner.executor.forwards
         extra["weight_buffers"] = runner.stash.num_weight_buffers()
         extra["stash_bytes"] = runner.stash.stash_bytes()
         extra["live_bytes"] = runner.stash.live_bytes()
