@@ -25,10 +25,11 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
         for mode in ("sync", "async"):
             assert all(math.isfinite(v) for v in row[mode]["runs"]), (opt, mode, row)
         assert row["gap"] == row["async"]["mean"] - row["sync"]["mean"]
-        # each run trained: its last validation loss is below its first
+        # each run trained: its training loss fell (each of Megatron's evaluations reads
+        # the next validation batches, so a few of them are too noisy to compare)
         for name, seconds in summary["run_seconds"].items():
-            result = json.loads((out / "runs" / name / "result.json").read_text())
-            assert result["val_curve"][-1][1] < result["val_curve"][0][1], name
+            losses = [loss for _, loss in json.loads((out / "runs" / name / "result.json").read_text())["train_curve"]]
+            assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, (name, losses)
     table = (out / "table.md").read_text()
     assert "| adam |" in table and "| muon |" in table
     assert (out / "reproduction_adam.png").read_bytes()[:4] == b"\x89PNG"

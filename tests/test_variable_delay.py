@@ -26,7 +26,9 @@ def test_quick_variable_delay_ablation(small_corpus, tmp_path):
     assert "--simulated-delay 3,2,1,0" in commands["muon_lr0.008_pipedream_p4_s0"]
     assert "--simulated-delay 1 --simulated-pipeline-stages 4" in commands["muon_lr0.008_constant_p4_s0"]
     for name in commands:
-        curve = json.loads((out / "runs" / name / "result.json").read_text())["val_curve"]
-        assert curve[-1][1] < curve[0][1], name
+        # (each of Megatron's evaluations reads the next validation batches, so two
+        # evaluations of 2 batches are too noisy to compare; the training loss is not)
+        losses = [loss for _, loss in json.loads((out / "runs" / name / "result.json").read_text())["train_curve"]]
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, (name, losses)
     assert "| 4 |" in (out / "table.md").read_text()
     assert (out / "variable_delay.png").read_bytes()[:4] == b"\x89PNG"
