@@ -19,7 +19,9 @@ import contextlib
 from typing import Callable, Iterator, Optional
 
 import torch
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.pipeline_parallel import schedules
+from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron_async.pipeline.p2p import PendingSends, StageLinks, post_run
 from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, RecvActivation, SendActivation, is_comm
@@ -65,7 +67,8 @@ class StageExecutor:
         self.pos = 0
         self.is_first = links.stage == 0
         self.is_last = links.stage == links.num_stages - 1
-        self._set_input = get_attr_wrapped_model(model, "set_input_tensor")
+        self.config = get_model_config(model)
+        self.cp_size = parallel_state.get_context_parallel_world_size()
         self._received: dict = {}
         self._outgoing: dict = {}
         self._inflight: dict = {}  # microbatch -> (input tensor, output tensor or loss)
@@ -73,6 +76,10 @@ class StageExecutor:
         self.pending_sends = PendingSends(num_microbatches)
 
     # --- compute ---------------------------------------------------------------
+    # Megatron's own per-microbatch steps (megatron.core.pipeline_parallel.schedules),
+    # as its 1F1B calls them: loss normalisation, the MoE auxiliary-loss and MTP loss
+    # scales, autocast, grad scaling, freeing a sent output's data. Only the weight
+    # version around them is ours.
     def _forward(self, action: Forward) -> None:
         k = action.microbatch
         self.forwards += 1
@@ -81,17 +88,16 @@ class StageExecutor:
         input_tensor = None
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
-        self._set_input(input_tensor)
+        reports = self._reports.setdefault(k // self.m, [])
         with self.stash.use(action.version):
-            output, loss_func = self.forward_step_func(self.data_for(k), self.model)
-            if self.is_last:
-                loss_sum, num_tokens, report = loss_func(output)
-                # Megatron's normalisation: mean over the microbatch's tokens, then
-                # over the batch's microbatches.
-                output = loss_sum / torch.clamp(num_tokens, min=1) / self.m
-                self._reports.setdefault(k // self.m, []).append(report)
-            else:
-                self._outgoing[("act", k)] = output.detach()
+            output, _ = schedules.forward_step(
+                self.forward_step_func, self.data_for(k), self.model, self.m, input_tensor, reports, self.config,
+                self.cp_size, is_first_microbatch=k % self.m == 0, current_microbatch=k % self.m,
+                is_last_stage=self.is_last)
+        if not self.is_last:
+            self._outgoing[("act", k)] = output.detach()
+            # keeps only the autograd graph; the sent copy's storage lives until its send retires
+            schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
         self._inflight[k] = (input_tensor, output)
 
     def _backward(self, action: Backward) -> None:
@@ -102,9 +108,9 @@ class StageExecutor:
         # DDP reduces gradients only after the batch's last backward.
         sync = contextlib.nullcontext() if last_of_batch else self.model.no_sync()
         with sync, self.stash.use(action.version):
-            torch.autograd.backward(output, grad_tensors=grad)
+            input_grad = schedules.backward_step(input_tensor, output, grad, self.config)
         if not self.is_first:
-            self._outgoing[("grad", k)] = input_tensor.grad
+            self._outgoing[("grad", k)] = input_grad
 
     def _optimizer_step(self, action: OptimizerStep):
         return self.step_func(action.step)
