@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import types
 from typing import Any
 
 import torch
@@ -202,8 +204,14 @@ def _cuda_patches() -> dict[str, Any]:
         "max_memory_reserved": lambda device=None: 0,
         "reset_peak_memory_stats": lambda device=None: None,
         "get_device_capability": lambda device=None: (0, 0),
+        # Megatron's validate_args reads the architecture (major) with TP > 1
+        "get_device_properties": lambda device=None: _EMULATED_PROPERTIES,
         "get_device_name": lambda device=None: "cpu (cuda emulation)",
     }
+
+
+_EMULATED_PROPERTIES = types.SimpleNamespace(name="cpu (cuda emulation)", major=0, minor=0, total_memory=0,
+                                             multi_processor_count=1)
 
 
 def _patch_rng_tracker() -> None:
@@ -225,6 +233,31 @@ def _patch_rng_tracker() -> None:
     logging.getLogger(mp_random.__name__).addFilter(
         lambda record: "CPU RNG state changed" not in record.getMessage()
     )
+
+
+def _patch_torch_norm_for_sequence_parallel() -> None:
+    """Without apex, Megatron's local layer spec normalises with torch's LayerNorm or
+    RMSNorm, which refuse sequence parallelism only because nothing marks their weights
+    (apex's norms do). Build the same torch norm and mark its parameters
+    `sequence_parallel`, so finalize_model_grads all-reduces their gradients over the
+    tensor-parallel group, as on GPUs."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
 
 
 def _patch_missing_te_names() -> None:
@@ -325,6 +358,10 @@ def activate() -> bool:
     _patch_uneven_all_gather()
     with contextlib.suppress(ImportError):
         _patch_missing_te_names()
+    _patch_torch_norm_for_sequence_parallel()
+    # Megatron's validate_args demands this CUDA setting for TP/CP > 1 before Blackwell;
+    # it means nothing here, and the emulated device reports no architecture.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _ACTIVE = True
     return True
 

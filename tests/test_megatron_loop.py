@@ -100,6 +100,9 @@ AUDITED = {
     "muon+ef, PP=2": (2, ["--optimizer", "muon", "--delay-correction", "ef"]),
     "adam dist-opt, PP=2 x DP=2": (4, ["--use-distributed-optimizer"]),
     # Megatron's layer-wise optimizer drives its per-rank optimizers only with --bf16
+    "moe with aux loss, EP=2, PP=2 x DP=2": (4, ["--num-experts", "4", "--moe-router-topk", "2",
+                                                 "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",
+                                                 "--expert-model-parallel-size", "2"]),
     "muon+ef layer-wise dist-opt, PP=2 x DP=2": (4, ["--optimizer", "muon", "--delay-correction", "ef",
                                                       "--use-distributed-optimizer", "--bf16"]),
 }

@@ -228,6 +228,34 @@ def _compile_helpers(original):
     return hooked
 
 
+def _moe_metrics_sync(original):
+    """Under 2bw, the MoE metrics (aux loss, ...) of this stage's layers only: Megatron
+    sums them over the pipeline group every logged iteration, a collective across
+    stages. The reductions inside the stage (tensor, expert, data parallel) stay."""
+
+    @functools.wraps(original)
+    def hooked(self, metric_names, pg_collection=None):
+        if not runtime.is_two_bw():
+            return original(self, metric_names, pg_collection)
+        from megatron.core import parallel_state
+
+        pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+        all_reduce = torch.distributed.all_reduce
+
+        def stage_local(tensor, *args, group=None, **kwargs):
+            if group is pp_group:
+                return None
+            return all_reduce(tensor, *args, group=group, **kwargs)
+
+        torch.distributed.all_reduce = stage_local
+        try:
+            return original(self, metric_names, pg_collection)
+        finally:
+            torch.distributed.all_reduce = all_reduce
+
+    return hooked
+
+
 T = "megatron.training.training"
 A = "megatron.training.arguments"
 HOOKS = (
@@ -254,7 +282,16 @@ HOOKS = (
     Hook("megatron.core.datasets.utils", "compile_helpers", "initialize.py:178 _compile_dependencies",
          _compile_helpers),
     Hook(T, "set_jit_fusion_options", "training.py:1117 pretrain (skipped on CPU only)", _set_jit_fusion_options),
+    Hook("megatron.core.transformer.moe.moe_logging:MoEMetricsTracker", "_sync_metrics",
+         "moe_logging.py:188 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_metrics_sync),
 )
+
+
+def _resolve(path: str):
+    """A module, or a class in one ("package.module:Class")."""
+    module_name, _, class_name = path.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name) if class_name else module
 
 
 def install() -> None:
@@ -265,8 +302,8 @@ def install() -> None:
     modules = {}
     for hook in HOOKS:
         try:
-            module = modules.setdefault(hook.module, importlib.import_module(hook.module))
-        except ImportError as err:
+            module = modules.setdefault(hook.module, _resolve(hook.module))
+        except (ImportError, AttributeError) as err:
             raise MissingHookError(f"megatron-async: cannot import {hook.module} ({err})") from None
         if not hasattr(module, hook.name):
             from megatron.core import __version__

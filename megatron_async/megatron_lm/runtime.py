@@ -120,7 +120,7 @@ def _runner(model_chunk, forward_step_func):
         STATE.step = args.iteration
         STATE.runner = TwoBWRunner(
             [model_chunk], None, get_num_microbatches(), args.train_iters,
-            activation_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
+            activation_shape=_activation_shape(args, config),
             dtype=config.pipeline_dtype or args.params_dtype,
             forward_step_func=forward_step_func,
             data_for=lambda _k: STATE.data_iterator,
@@ -130,6 +130,19 @@ def _runner(model_chunk, forward_step_func):
             on_batch_start=snapshot_rng,
         )
     return STATE.runner
+
+
+def _activation_shape(args, config) -> tuple:
+    """What a stage sends its neighbour, as Megatron's 1F1B computes it (the sequence
+    split over context-parallel ranks, and over tensor-parallel ranks with sequence
+    parallelism)."""
+    from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+
+    (shape,) = get_tensor_shapes(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                 decoder_seq_length=None, config=config,
+                                 tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                 cp_group=parallel_state.get_context_parallel_group())
+    return shape
 
 
 def _single(x):
