@@ -46,7 +46,7 @@ def global_param_names(chunk) -> dict[str, str]:
     names = {}
     for name, _ in module.named_parameters():
         parts = name.split(".")
-        if "layers" in parts:
+        if "layers" in parts and parts[parts.index("layers") - 1] == "decoder":  # not mtp.layers
             i = parts.index("layers") + 1
             parts[i] = layer_of.get(parts[i], parts[i])
         if "local_experts" in parts:

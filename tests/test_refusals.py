@@ -48,6 +48,8 @@ CASES = {
     "tied embeddings": (2, _without(BASE, "--untie-embeddings-and-output-weights") + TWO_BW,
                         "--untie-embeddings-and-output-weights"),
     "rerun state machine": (2, _without(BASE, "--rerun-mode") + TWO_BW, "--rerun-mode"),
+    "multi-token prediction": (2, BASE + TWO_BW + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+                               "--mtp-num-layers"),
     "per-token loss": (2, BASE + TWO_BW + ["--calculate-per-token-loss"], "--calculate-per-token-loss"),
     "fp16 loss scaling": (2, BASE + TWO_BW + ["--fp16"], "--fp16"),
     "exit duration": (2, BASE + TWO_BW + ["--exit-duration-in-mins", "60"], "--exit-duration-in-mins"),

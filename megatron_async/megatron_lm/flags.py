@@ -177,6 +177,10 @@ def _validate_2bw(args: argparse.Namespace) -> None:
     _require(args.untie_embeddings_and_output_weights,
              "--pipeline-schedule 2bw needs --untie-embeddings-and-output-weights: tied input/output embeddings "
              "on different stages need a cross-stage gradient all-reduce every step")
+    _require(not args.mtp_num_layers,
+             "--pipeline-schedule 2bw does not support --mtp-num-layers: the last stage's multi-token prediction "
+             "uses its own copy of the word embeddings, kept equal to the first stage's by a cross-stage gradient "
+             "all-reduce every step")
     for name, refused, flag, why in REFUSED_UNDER_2BW:
         _require(not refused(getattr(args, name, None)), f"--pipeline-schedule 2bw: {flag} {why}")
 

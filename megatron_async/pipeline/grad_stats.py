@@ -104,6 +104,8 @@ def _layer_wise_stage_local(optimizer, group) -> None:
 def stage_of_parameter(name: str, num_layers: int, num_stages: int) -> int:
     """Pipeline stage that would own parameter `name` of an unsplit GPT."""
     parts = name.split(".")
+    if "mtp" in parts:  # multi-token prediction layers follow the output layer
+        return num_stages - 1
     if "layers" in parts:
         layer = int(parts[parts.index("layers") + 1])
         return layer // (num_layers // num_stages)
