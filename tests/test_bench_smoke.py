@@ -1,4 +1,4 @@
-"""The pipeline throughput benchmark runs end to end (tiny model, --quick).
+"""The benchmarks run end to end (--quick: pipeline throughput, soak, schedule start-up).
 
 Only that it completes and reports every configuration: timings on a shared CI
 machine say nothing about speed, so none are asserted.
@@ -40,3 +40,14 @@ def test_quick_soak_reports_pace_memory_and_bounded_sends(tmp_path, small_corpus
         assert rank["s_per_iter_early"] > 0 and rank["s_per_iter_late"] > 0
         assert rank["rss_mb_at_settle"] > 0
         assert max(rank["pending_sends"]) <= 4 * 4  # two batches of sends at m = 4
+
+
+def test_quick_schedule_startup_reports_both_ways(tmp_path):
+    from bench import schedule_startup
+
+    out = tmp_path / "startup.json"
+    assert schedule_startup.main(["--quick", "--pp", "4", "--microbatches", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["iterations"] for r in rows] == [100, 1_000]
+    for row in rows:
+        assert all(row[k] > 0 for k in ("whole_s", "whole_mb", "streamed_s", "streamed_mb")), row

@@ -15,8 +15,9 @@ transfers the schedule lists.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from megatron.core.pipeline_parallel import schedules
@@ -34,7 +35,7 @@ class StageExecutor:
     def __init__(
         self,
         model,
-        actions: list,
+        actions: Iterable,
         links: StageLinks,
         stash: WeightStashManager,
         forward_step_func: Callable,
@@ -45,13 +46,17 @@ class StageExecutor:
         dtype: torch.dtype,
         device: torch.device,
         on_batch_start: Optional[Callable[[int], None]] = None,
-        prev_actions: Optional[list] = None,
+        prev_segment: Optional[Callable[[int], list]] = None,
+        final_step: Optional[int] = None,
     ):
-        """`prev_actions`: the previous stage's list (None on the first stage), read only
-        by `finish` to know what that stage sent before it stopped."""
+        """`actions`: this stage's list, consumed as it runs (a lazy stream for long runs).
+        `prev_segment(t)`: the previous stage's actions up to its OptimizerStep(t) (None on
+        the first stage) and `final_step`: the run's last step; both read by `finish`."""
         self.model = model
-        self.actions = actions
-        self.prev_actions = prev_actions
+        self.actions = iter(actions)
+        self._lookahead: collections.deque = collections.deque()
+        self.prev_segment = prev_segment
+        self.final_step = final_step
         self.last_step: Optional[int] = None  # the last OptimizerStep run
         self.forwards = 0
         self.links = links
@@ -64,7 +69,6 @@ class StageExecutor:
         self.shape = activation_shape
         self.dtype = dtype
         self.device = device
-        self.pos = 0
         self.is_first = links.stage == 0
         self.is_last = links.stage == links.num_stages - 1
         self.config = get_model_config(model)
@@ -116,24 +120,32 @@ class StageExecutor:
         return self.step_func(action.step)
 
     # --- driver ----------------------------------------------------------------
+    def _peek(self):
+        if not self._lookahead:
+            action = next(self.actions, None)
+            if action is None:
+                return None
+            self._lookahead.append(action)
+        return self._lookahead[0]
+
+    def _comm_run(self) -> list:
+        """The communication actions up to the next compute action or the end."""
+        run = []
+        while (action := self._peek()) is not None and is_comm(action):
+            run.append(self._lookahead.popleft())
+        return run
+
     def _run_until(self, stop: Optional[int]) -> tuple[bool, object]:
         """Run actions until OptimizerStep(stop) has run (or to the end if stop is None);
         returns (whether it was found, the step function's result)."""
-        actions = self.actions
-        while self.pos < len(actions):
-            action = actions[self.pos]
+        while (action := self._peek()) is not None:
             if is_comm(action):
-                end = self.pos
-                while end < len(actions) and is_comm(actions[end]):
-                    end += 1
-                received, sends = post_run(
-                    actions[self.pos:end], self.links, self._outgoing, self.shape, self.dtype, self.device
-                )
+                received, sends = post_run(self._comm_run(), self.links, self._outgoing, self.shape, self.dtype,
+                                           self.device)
                 self._received.update(received)
                 self.pending_sends.add(sends)
-                self.pos = end
                 continue
-            self.pos += 1
+            self._lookahead.popleft()
             if isinstance(action, Forward):
                 self._forward(action)
             elif isinstance(action, Backward):
@@ -168,22 +180,14 @@ class StageExecutor:
         receives downstream are waited for, so no cycle, hence no deadlock.
         At the end of the list only the trailing actions (sends) are left: run them.
         """
-        if not any(isinstance(a, OptimizerStep) for a in self.actions[self.pos:]):
+        if self.last_step is not None and self.last_step == self.final_step:
             self._run_until(None)
-        elif self.prev_actions is not None and self.last_step is not None:
-            received = {a.microbatch for a in self.actions[:self.pos] if isinstance(a, RecvActivation)}
-            missing = [RecvActivation(k, self.links.stage - 1) for k in self._sent_by_prev(self.last_step)
-                       if k not in received]
+        elif self.last_step is not None and self.prev_segment is not None:
+            first_next = (self.last_step + 1) * self.m  # batch last_step + 1's first microbatch
+            received = {k for kind, k in self._received if kind == "act"} | set(self._inflight)
+            missing = [RecvActivation(a.microbatch, self.links.stage - 1) for a in self.prev_segment(self.last_step)
+                       if isinstance(a, SendActivation) and a.microbatch >= first_next
+                       and a.microbatch not in received]
             if missing:
                 post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
         self.pending_sends.wait_all()
-
-    def _sent_by_prev(self, step: int) -> list[int]:
-        """Microbatches whose activations the previous stage sent up to its OptimizerStep(step)."""
-        sent = []
-        for action in self.prev_actions:
-            if isinstance(action, SendActivation):
-                sent.append(action.microbatch)
-            elif isinstance(action, OptimizerStep) and action.step == step:
-                break
-        return sent

@@ -1,8 +1,9 @@
 """PipeDream-2BW on a Megatron model: the `2bw` schedule's runtime.
 
-Builds this stage's action list from the registered `2bw` generator, the weight
-stash (two versions), point-to-point links and the executor, and exposes the
-trainer's interface: `train_step(t)`, `evaluate(...)`, `finish()`.
+Streams this stage's action list from the `2bw` generator one batch at a time
+(schedules/stream_2bw.py), and holds the weight stash (two versions), the
+point-to-point links and the executor; exposes `train_step(t)`, `evaluate(...)`,
+`finish()` to Megatron's loop (through megatron_lm/runtime.py) and to tests.
 
 Resuming at batch t starts a fresh warm-up whose microbatches carry their absolute
 indices and versions (batch b uses version max(b-1, 0)): batch t runs at the
@@ -13,7 +14,6 @@ did, so the trajectories are equal.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -23,26 +23,8 @@ from megatron_async.pipeline.executor import StageExecutor
 from megatron_async.pipeline.non_finite import check_finite, report_losses, step_grad_norm
 from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
-from megatron_async.schedules.actions import Backward, Forward, OptimizerStep
-from megatron_async.schedules.registry import get_schedule_generator
+from megatron_async.schedules.stream_2bw import TwoBWStream
 from megatron_async.weight_stash import WeightStashManager
-
-
-def shift_actions(actions: list, start_batch: int, m: int) -> list:
-    """Relabel a schedule generated for batches 0.. as batches start_batch.. ."""
-    if start_batch == 0:
-        return list(actions)
-    offset = start_batch * m
-    shifted = []
-    for a in actions:
-        if isinstance(a, (Forward, Backward)):
-            k = a.microbatch + offset
-            shifted.append(type(a)(k, max(k // m - 1, 0)))
-        elif isinstance(a, OptimizerStep):
-            shifted.append(OptimizerStep(a.step + start_batch))
-        else:  # communication
-            shifted.append(dataclasses.replace(a, microbatch=a.microbatch + offset))
-    return shifted
 
 
 class TwoBWRunner:
@@ -85,19 +67,19 @@ class TwoBWRunner:
         if clip_grad_mode not in ("stage-local", "stale-global"):
             raise ValueError(f"--clip-grad-mode must be stage-local or stale-global, got {clip_grad_mode!r}")
         self.stale_norm = StaleGlobalNorm(duplicate_pipeline_group()) if clip_grad_mode == "stale-global" else None
-        schedule = get_schedule_generator("2bw")(p, num_microbatches, num_batches - start_batch)
+        # the 2bw lists, one batch at a time (start-up and memory independent of the run's length)
+        stream = TwoBWStream(p, num_microbatches, num_batches - start_batch, first_batch=start_batch)
         stage = self.links.stage
-        actions = shift_actions(schedule[stage], start_batch, num_microbatches)
-        prev_actions = shift_actions(schedule[stage - 1], start_batch, num_microbatches) if stage else None
+        prev_segment = (lambda t: stream.segment(stage - 1, t - start_batch)) if stage else None
         self.stash = stash or WeightStashManager(model, depth=1)
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         if data_for is None:
             data_for = lambda k: iter([get_microbatch(k)])  # noqa: E731
         self.executor = StageExecutor(
-            self.model, actions, self.links, self.stash, forward_step_func, data_for,
+            self.model, stream.actions(stage), self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
             activation_shape=activation_shape, dtype=dtype, device=self.device, on_batch_start=on_batch_start,
-            prev_actions=prev_actions,
+            prev_segment=prev_segment, final_step=num_batches - 1,
         )
 
     def _step(self, step: int):
