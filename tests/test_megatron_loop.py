@@ -152,12 +152,17 @@ def test_install_names_a_missing_megatron_function(monkeypatch):
 RESUME = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--ckpt-format", "torch_dist"]
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "muon+ef"])
+RESUMED = {**{name: OPTIMIZERS[name] for name in ("adam", "muon+ef")},
+           "adam, stale-global clipping": ["--clip-grad-mode", "stale-global", "--clip-grad", "0.05"]}
+
+
+@pytest.mark.parametrize("optimizer", list(RESUMED))
 def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
     """Saved at iteration 4 (exit there), resumed to 8: the losses of 5-8 equal the
     uninterrupted run's (observed bitwise; allowed 1e-6). Without the RNG snapshot
-    taken before the next batch's warm-up forwards they differ in the 3rd digit."""
-    base = OPTIMIZERS[optimizer] + RESUME + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
+    taken before the next batch's warm-up forwards they differ in the 3rd digit; with
+    stale-global clipping, without the saved global norms."""
+    base = RESUMED[optimizer] + RESUME + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
     MODEL_DROPOUT = [a for a in base]
     full = _losses(tmp_path, "full", 2, MODEL_DROPOUT)
     ckpt = str(tmp_path / "ckpt")
@@ -253,3 +258,20 @@ def test_stage_delay_list(tmp_path):
     mixed = _losses(tmp_path, "mixed", 1, clip + ["--simulated-delay", "1,0"])
     assert listed == twin
     assert max(abs(a - b) for a, b in zip(mixed[2:], twin[2:])) > 1e-5
+
+
+def test_stale_global_clipping_is_the_one_cross_stage_reduction(tmp_path):
+    """`--clip-grad-mode stale-global` in Megatron's loop: the only collectives spanning
+    stages are its non-blocking norm all-reduces over the pipeline group (on the model's
+    device, gloo here), one per optimizer step and norm group; and it clips otherwise
+    than stage-local clipping (clip 0.05 acts at every step)."""
+    common = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--clip-grad", "0.05"]
+    crossing, _ = _audit(tmp_path, 2, common + ["--clip-grad-mode", "stale-global"])
+    assert crossing and {(name, tuple(group)) for _rank, name, group in crossing} == {("all_reduce", (0, 1))}
+    stale = [r["lm_loss"] for r in map(json.loads, (tmp_path / "audit.jsonl").read_text().splitlines())
+             if "lm_loss" in r]
+    local = _losses(tmp_path, "local", 2, common)
+    # iterations 1-3 run at W0, W0, W1, and step 0 (W0 -> W1) has no older global norm: equal;
+    # iteration 4 runs at W2, from step 1, the first clipped by a stale global norm
+    assert len(stale) == ITERS and stale[:3] == local[:3]
+    assert stale[3] != local[3]

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "reference 2bw must equal. A list gives each of P would-be stages its own delay")
     g.add_argument("--simulated-pipeline-stages", type=int, default=None, metavar="P",
                    help="with --simulated-delay: clip each of P would-be pipeline stages by its own norm")
+    g.add_argument("--clip-grad-mode", default="stage-local", choices=["stage-local", "stale-global"],
+                   help="2bw: stage-local clips each stage by its own gradient norm; stale-global clips step t by "
+                        "the global norm of step t-1, from a non-blocking all-reduce started at step t-1")
     g.add_argument("--delay-correction", default="none", choices=["none", "ef"],
                    help="ef: apply D_t + lambda (D_t - D_{t-1}) instead of the optimizer's update D_t")
     g.add_argument("--ef-lambda", type=float, default=1.0, help="lambda of --delay-correction ef")
@@ -92,6 +95,8 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     _check_simulated_delay(args, delays)
     _check_optimizer(args)
     _check_data(args)
+    _require(args.clip_grad_mode == "stage-local" or args.pipeline_schedule == "2bw",
+             "--clip-grad-mode stale-global needs --pipeline-schedule 2bw")
     if args.pipeline_schedule is None:
         return args
     pp = args.pipeline_model_parallel_size
@@ -181,6 +186,8 @@ def _validate_2bw(args: argparse.Namespace) -> None:
              "--pipeline-schedule 2bw does not support --mtp-num-layers: the last stage's multi-token prediction "
              "uses its own copy of the word embeddings, kept equal to the first stage's by a cross-stage gradient "
              "all-reduce every step")
+    _require(args.clip_grad_mode == "stage-local" or args.clip_grad > 0,
+             "--clip-grad-mode stale-global needs --clip-grad > 0")
     for name, refused, flag, why in REFUSED_UNDER_2BW:
         _require(not refused(getattr(args, name, None)), f"--pipeline-schedule 2bw: {flag} {why}")
 

@@ -14,6 +14,7 @@ weights of K steps ago: the reference 2bw must equal.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from functools import partial
 from types import SimpleNamespace
@@ -24,7 +25,8 @@ from megatron_async.megatron_lm.checkpoint import snapshot_rng
 from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 
 STASH_KEY = "weight_stash"
-STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None)
+STALE_NORM_KEY = "stale_global_norm"
+STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None, stale_norm=None)
 
 
 class DelayedStepOptimizer:
@@ -34,10 +36,11 @@ class DelayedStepOptimizer:
     Everything else is the wrapped optimizer's (state dicts, loss scale, groups).
     """
 
-    def __init__(self, optimizer, stash, load_stash: bool = True):
+    def __init__(self, optimizer, stash, load_stash: bool = True, load_stale_norm: bool = False):
         self.optimizer = optimizer
         self.stash = stash
         self.load_stash = load_stash  # False: the checkpoint to resume has no stash
+        self.load_stale_norm = load_stale_norm
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
@@ -46,17 +49,22 @@ class DelayedStepOptimizer:
         from megatron_async.per_rank_state import add_state
 
         state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        if STATE.stale_norm is not None:
+            add_state(state, STALE_NORM_KEY, STATE.stale_norm.state_dict, is_loading, self.load_stale_norm)
         return add_state(state, STASH_KEY, self.stash.state_dict, is_loading, self.load_stash)
 
     def load_state_dict(self, state_dict) -> None:
         from megatron_async.per_rank_state import pop_state
 
+        if STATE.stale_norm is not None:
+            state_dict = pop_state(state_dict, STALE_NORM_KEY, STATE.stale_norm.load_state_dict)
         self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self.stash.load_state_dict))
 
     def step(self):
         from megatron.training import get_args
 
-        with self.stash.optimizer_step():
+        stale = STATE.stale_norm
+        with self.stash.optimizer_step(), stale.step() if stale else contextlib.nullcontext():
             update_ok, grad_norm, zeros = self.optimizer.step()
         if update_ok:
             grad_norm = step_grad_norm(self.optimizer, grad_norm)
@@ -89,9 +97,15 @@ def wrap_optimizer(model, optimizer):
 
         optimizer = ErrorFeedbackOptimizer(optimizer, ef_lambda=args.ef_lambda)
         optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction"))
+    if two_bw and args.clip_grad_mode == "stale-global":
+        from megatron_async.pipeline.p2p import duplicate_pipeline_group
+        from megatron_async.pipeline.stale_global import StaleGlobalNorm
+
+        STATE.stale_norm = StaleGlobalNorm(duplicate_pipeline_group(), next(model[0].parameters()).device)
     # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
     STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1))
-    return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)))
+    return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)),
+                                load_stale_norm=bool(resumed.get(STALE_NORM_KEY)))
 
 
 def saved_contents_marker() -> dict:
@@ -102,6 +116,7 @@ def saved_contents_marker() -> dict:
     if STATE.stash is None:
         return {}
     return {STASH_KEY: True, "delay_correction": args.delay_correction == "ef",
+            STALE_NORM_KEY: STATE.stale_norm is not None,
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay}
 
 
@@ -127,6 +142,8 @@ def _runner(model_chunk, forward_step_func):
             start_batch=args.iteration,
             stash=STATE.stash,
             finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
+            clip_grad_mode=args.clip_grad_mode,
+            stale_norm=STATE.stale_norm,
             on_batch_start=snapshot_rng,
         )
     return STATE.runner

@@ -27,11 +27,21 @@ import torch.distributed as dist
 HISTORY_STEPS = 1000
 
 
+class _Arrived:
+    """A finished reduction (restored from a checkpoint)."""
+
+    def wait(self) -> None:
+        return None
+
+
 class StaleGlobalNorm:
     """Per-stage state of the stale global norm (one instance per process)."""
 
-    def __init__(self, pipeline_group: dist.ProcessGroup):
+    def __init__(self, pipeline_group: dist.ProcessGroup, device: torch.device | None = None):
         self.group = pipeline_group
+        # the norms travel as tensors of the model's device: NCCL reduces only device
+        # tensors, gloo only CPU ones, and each backend serves its own device
+        self.device = device if device is not None else torch.device("cpu")
         self._pending: list = []  # previous step's (work, squared-norm tensor) per call
         self._current: list = []
         self._calls = 0
@@ -43,7 +53,7 @@ class StaleGlobalNorm:
     def _answer(self, local_norm: float) -> float:
         index = self._calls
         self._calls += 1
-        squared = torch.tensor([float(local_norm) ** 2], dtype=torch.float64)
+        squared = torch.tensor([float(local_norm) ** 2], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(squared, group=self.group, async_op=True)
         self._current.append((work, squared))
         self.local[-1].append(float(local_norm))
@@ -77,6 +87,17 @@ class StaleGlobalNorm:
             for work, _ in self._pending[len(self._current):]:
                 work.wait()  # calls that did not recur this step
             self._pending = self._current
+
+    def state_dict(self) -> dict:
+        """The squared global norms the next step clips by (a checkpoint's part of the
+        run: without them a resumed run's first step would clip stage-locally)."""
+        for work, _ in self._pending:
+            work.wait()
+        return {"squared": [float(squared.item()) for _, squared in self._pending]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._pending = [(_Arrived(), torch.tensor([value], dtype=torch.float64, device=self.device))
+                         for value in state.get("squared", [])]
 
     def finish(self) -> None:
         for work, _ in self._pending:

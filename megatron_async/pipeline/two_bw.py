@@ -46,6 +46,7 @@ class TwoBWRunner:
         data_for: Callable[[int], Iterator] | None = None,
         finalize_grads: Callable[[], None] | None = None,
         on_batch_start: Callable[[int], None] | None = None,
+        stale_norm: StaleGlobalNorm | None = None,
     ):
         """`optimizer=None`: the caller (Megatron's train_step) steps the optimizer after
         each `train_step`, through a DelayedStepOptimizer; the runner then only
@@ -66,7 +67,9 @@ class TwoBWRunner:
         self.eval_links = stage_links(duplicate_pipeline_group())
         if clip_grad_mode not in ("stage-local", "stale-global"):
             raise ValueError(f"--clip-grad-mode must be stage-local or stale-global, got {clip_grad_mode!r}")
-        self.stale_norm = StaleGlobalNorm(duplicate_pipeline_group()) if clip_grad_mode == "stale-global" else None
+        if clip_grad_mode == "stale-global" and stale_norm is None:
+            stale_norm = StaleGlobalNorm(duplicate_pipeline_group(), self.device)
+        self.stale_norm = stale_norm if clip_grad_mode == "stale-global" else None
         # the 2bw lists, one batch at a time (start-up and memory independent of the run's length)
         stream = TwoBWStream(p, num_microbatches, num_batches - start_batch, first_batch=start_batch)
         stage = self.links.stage
