@@ -55,6 +55,8 @@ CASES = {
     "exit duration": (2, BASE + TWO_BW + ["--exit-duration-in-mins", "60"], "--exit-duration-in-mins"),
     "exit signal handler": (2, BASE + TWO_BW + ["--exit-signal-handler"], "--exit-signal-handler"),
     "parameter norm": (2, BASE + TWO_BW + ["--log-params-norm"], "--log-params-norm"),
+    "overlapped parameter gather": (4, BASE + TWO_BW + ["--use-distributed-optimizer", "--overlap-param-gather",
+                                                        "--overlap-grad-reduce"], "--overlap-param-gather"),
     "timing barriers": (2, BASE + TWO_BW + ["--timing-log-level", "1"], "--timing-log-level"),
     "too few microbatches": (4, _without(BASE, "--num-layers", "--global-batch-size") + [
         "--num-layers", "4", "--global-batch-size", "4", "--pipeline-model-parallel-size", "4",
