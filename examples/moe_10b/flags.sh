@@ -1,0 +1,65 @@
+# shellcheck shell=bash
+# A ~10B-parameter MoE GPT trained with PipeDream-2BW, Muon and the EF delay correction,
+# in the spirit of the 10B MoE run of Zmushko et al. (2026): 200B tokens.
+#
+# Shape: OLMoE-1B-7B's layer (Muennighoff et al., 2024: hidden 2048, 16 heads, 64
+# fine-grained experts of FFN 1024, top-8, SwiGLU, RMSNorm, RoPE, QK-norm, no biases)
+# with 24 layers instead of 16. Total 10.28B parameters, 1.82B active per token
+# (examples/moe_10b/plan.sh builds every stage on the meta device and prints both).
+# Layout for 8-GPU nodes: PP=4 (6 layers a stage) x DP=8 (4 nodes, 32 GPUs), experts
+# spread over the 8 data-parallel ranks of a stage (EP=8), no tensor parallelism.
+#
+# Sourced by examples/slurm/rank_command.sh; it sets TRAIN_ARGS. Paths come from the
+# environment: DATA_PREFIX (Megatron indexed dataset prefix, examples/moe_10b/prepare_data.sh),
+# TOKENIZER_MODEL (a local Hugging Face tokenizer directory), RUN_DIR (checkpoints, logs);
+# MOCK_DATA=1 trains on Megatron's mock data instead (smoke runs, dry runs).
+
+: "${RUN_DIR:?set RUN_DIR to the run directory (checkpoints, TensorBoard, metrics)}"
+TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
+
+MODEL_ARGS=(
+  --num-layers 24 --hidden-size 2048 --num-attention-heads 16
+  --seq-length 4096 --max-position-embeddings 4096
+  --position-embedding-type rope --rotary-base 500000
+  --normalization RMSNorm --swiglu --disable-bias-linear --qk-layernorm
+  --untie-embeddings-and-output-weights       # 2bw: no embedding all-reduce between stages
+  --num-experts 64 --moe-ffn-hidden-size 1024 --moe-router-topk 8
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01
+  --moe-token-dispatcher-type alltoall
+  --hidden-dropout 0 --attention-dropout 0 --init-method-std 0.02
+)
+PARALLEL_ARGS=(
+  --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --tensor-model-parallel-size 1
+  --pipeline-schedule 2bw                       # no flush, two weight versions, one-step delay
+  --use-distributed-optimizer                   # with Muon: Megatron's layer-wise distributed optimizer
+  --bf16 --rerun-mode disabled
+)
+OPTIMIZER_ARGS=(
+  --optimizer muon --muon-momentum 0.95 --muon-extra-scale-factor 0.2   # AdamW-sized updates: one --lr
+  --delay-correction ef --ef-lambda 1.0         # corrects the one-step delay (docs/delay_correction.md)
+  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2000 --lr-decay-style cosine
+  --weight-decay 0.1 --clip-grad 1.0
+)
+BATCH_ARGS=(
+  --micro-batch-size 1 --global-batch-size 512  # 2.1M tokens a step; m = 512 / 8 = 64 microbatches
+  --train-iters 95368                           # 95,368 x 512 x 4,096 = 200.0B tokens
+)
+if [[ "${MOCK_DATA:-0}" == 1 ]]; then  # smoke runs and dry runs without the corpus
+  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50304 --num-workers 2)
+else
+  : "${DATA_PREFIX:?set DATA_PREFIX to the prepared dataset prefix (examples/moe_10b/prepare_data.sh)}"
+  : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a local tokenizer directory}"
+  DATA_ARGS=(
+    --data-path "$DATA_PREFIX" --split "998,2,0"
+    --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL"
+    --data-cache-path "$RUN_DIR/data_cache" --num-workers 2
+  )
+fi
+OUTPUT_ARGS=(
+  --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000
+  --log-interval 10 --eval-interval 1000 --eval-iters 20
+  --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-json "$RUN_DIR/metrics.jsonl"
+)
+# shellcheck disable=SC2034  # read by the script that sources this file
+TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${BATCH_ARGS[@]}"
+            "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}")

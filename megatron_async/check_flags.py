@@ -1,0 +1,87 @@
+"""Check a training command line against Megatron's argument validation, without training.
+
+    python -m megatron_async.check_flags --world-size 32 [--cpu-flags] -- ARGS...
+
+Runs what the launcher runs first, Megatron's argument parser and `validate_args`
+with the plugin installed (our flags and refusals, the data checks), under
+WORLD_SIZE=N, and prints `ok` or the one-line refusal
+(exit 2). No process group is created and no model is built, so it runs on a login
+node or in CI for a cluster-sized command line (examples/slurm dry runs).
+Where CUDA is absent the CPU emulation answers Megatron's device queries; the
+command line is checked as given unless --cpu-flags adds what CPU runs need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+
+
+def parse(argv: list[str], world: int, cpu_flags: bool = False):
+    """Megatron's parsed and validated args for `argv` (our hooks run inside validation);
+    raises FlagError, SystemExit (argparse) or Megatron's AssertionError on a refusal."""
+    from megatron.training import arguments
+
+    from megatron_async.launch import with_cpu_flags
+
+    os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
+    sys.argv = ["megatron_async.megatron_lm.gpt", *(with_cpu_flags(list(argv)) if cpu_flags else argv)]
+    # parse_and_validate_args without its last step (building the tokenizer and the
+    # global state): the tokenizer of a cluster job may not be on this machine
+    return arguments.validate_args(arguments.parse_args(), {"tokenizer_type": "NullTokenizer"})
+
+
+def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
+    """{"refused": bool, "error": message or None} for Megatron's parser and validation
+    with our hooks, as the GPT entry runs them."""
+    from megatron_async.megatron_lm.flags import FlagError
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            parse(argv, world, cpu_flags)
+    except FlagError as err:
+        return {"refused": True, "error": str(err)}
+    except SystemExit:  # argparse: unknown flag, or a value outside the flag's choices
+        lines = [line for line in stderr.getvalue().splitlines() if "error:" in line]
+        return {"refused": True, "error": lines[-1] if lines else stderr.getvalue()}
+    except Exception as err:  # noqa: BLE001 - Megatron's own checks assert; report their text
+        import traceback
+
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        detail = str(err) or f"{where.line} ({where.filename.split('site-packages/')[-1]}:{where.lineno})"
+        return {"refused": True, "error": f"{type(err).__name__}: {detail}"}
+    return {"refused": False, "error": None}
+
+
+def prepare() -> None:
+    """The plugin's hooks, and the CPU emulation where CUDA is absent (once per process)."""
+    from megatron_async import cpu
+    from megatron_async.megatron_lm.hooks import install
+
+    cpu.setup_device("auto")
+    install()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, required=True, help="ranks of the job (nodes x GPUs per node)")
+    parser.add_argument("--cpu-flags", action="store_true", help="add the flags a CPU run needs, as the launcher does")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the training command line")
+    ns = parser.parse_args(argv)
+    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    prepare()
+    result = check(args, ns.world_size, ns.cpu_flags)
+    if result["refused"]:
+        print(f"megatron-async: error: {result['error']}", file=sys.stderr)
+        return 2
+    print(f"ok: {len(args)} arguments accepted by Megatron's validation and megatron-async at world size "
+          f"{ns.world_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

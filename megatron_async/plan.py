@@ -1,0 +1,180 @@
+"""Plan a run before it meets the cluster: parameters and memory per GPU of every stage.
+
+    python -m megatron_async.plan --world-size 32 [--gpu-gb 80] [--json PATH] -- ARGS...
+
+Validates ARGS as the launcher would (megatron_async.check_flags), then builds each
+pipeline stage of that exact model with Megatron-Core's GPT model and layer specs on
+the meta device (no memory, no GPU): its layers, plus the embedding on the first
+stage and the output layer on the last. Parameters split over tensor-parallel ranks
+(and experts over expert-parallel ranks) are divided accordingly, which gives the
+parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
+
+- weights (2 bytes a parameter) and the 2BW stash, one more copy of them;
+- gradients (Megatron's grad buffer: 4 bytes with --accumulate-allreduce-grads-in-fp32, else 2);
+- optimizer state, sharded over the data-parallel ranks with --use-distributed-optimizer
+  (experts over the expert-data-parallel ranks): fp32 main weights (4) and Adam's two
+  moments (8) or Muon's momentum (4);
+- the EF buffer with --delay-correction ef: the previous update, fp32, sharded like the main weights;
+- activations, an estimate: bytes a token a layer (attention block 34h with flash
+  attention, per Korthikanti et al. 2022, its MLP part replaced for MoE by top-k
+  experts' 2h + 6f) x tokens of a microbatch x layers of the stage x microbatches in
+  flight (p - s on stage s under 1F1B and 2bw), plus the last stage's fp32 logits.
+
+Prints a table and exits 1 if a stage does not fit in --gpu-gb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+
+def _build_stage(config, args, layers: int, first: bool, last: bool):
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    stage_config = copy.copy(config)
+    stage_config.num_layers = layers
+    for name in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size"):
+        setattr(stage_config, name, 1)
+    stage_config.sequence_parallel = False
+    stage_config.use_cpu_initialization = True
+    stage_config.perform_initialization = False
+    spec = get_gpt_layer_local_spec(args.num_experts, False, qk_layernorm=args.qk_layernorm,
+                                    normalization=args.normalization)
+    with torch.device("meta"):
+        return GPTModel(stage_config, spec, args.padded_vocab_size, args.max_position_embeddings,
+                        pre_process=first, post_process=last,
+                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                        position_embedding_type=args.position_embedding_type)
+
+
+def _counts(model) -> dict:
+    dense = expert = 0
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            expert += param.numel()
+        else:
+            dense += param.numel()
+    return {"dense": dense, "expert": expert}
+
+
+def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
+    h, s, b = args.hidden_size, args.seq_length, args.micro_batch_size
+    per_token_layer = 34 * h
+    if args.num_experts:
+        f = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        per_token_layer = 15 * h + args.moe_router_topk * (2 * h + 6 * f)
+    in_flight = args.pipeline_model_parallel_size - stage
+    total = per_token_layer * s * b * layers * in_flight
+    if last:
+        total += 4 * s * b * args.padded_vocab_size
+    return total
+
+
+def padded_vocab_size(args) -> int:
+    """Megatron's padding of the vocabulary (to --make-vocab-size-divisible-by x TP), from
+    --vocab-size (+1 for NullTokenizer's end of document), without loading a tokenizer."""
+    if args.vocab_size is None:
+        raise SystemExit("megatron_async.plan: give --vocab-size (the tokenizer's vocabulary size)")
+    vocab = args.vocab_size + (1 if args.tokenizer_type == "NullTokenizer" else 0)
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def plan(args) -> list[dict]:
+    """One row per pipeline stage: parameters of the stage and of one GPU, memory in GB."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron_async.parallel import init_model_parallel
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # one process stands for a rank of each stage in turn
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    init_model_parallel(1, 1, 1, seed=args.seed)
+    # The plan builds Megatron-Core's local layer spec (same parameters as Transformer
+    # Engine's); fused kernels change no parameter and need CUDA, so they are off here.
+    args = copy.copy(args)
+    for name in ("apply_rope_fusion", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
+                 "bias_dropout_fusion", "gradient_accumulation_fusion", "persist_layer_norm"):
+        setattr(args, name, False)
+    args.transformer_impl, args.no_persist_layer_norm = "local", True
+    config = core_transformer_config_from_args(args)
+    p, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size
+    dp = args.data_parallel_size
+    expert_dp = max(dp * tp // (ep * (args.expert_tensor_parallel_size or tp)), 1)
+    per_stage = args.num_layers // p
+    grad_bytes = 4 if args.accumulate_allreduce_grads_in_fp32 else 2
+    moments = 4 if "muon" in args.optimizer else 8
+    rows = []
+    for stage in range(p):
+        first, last = stage == 0, stage == p - 1
+        counts = _counts(_build_stage(config, args, per_stage, first, last))
+        gpu_dense = counts["dense"] / tp
+        gpu_expert = counts["expert"] / (ep * (args.expert_tensor_parallel_size or tp))
+        gpu = gpu_dense + gpu_expert
+        sharded = gpu_dense / dp + gpu_expert / expert_dp if args.use_distributed_optimizer else gpu
+        memory = {
+            "weights": 2 * gpu,
+            "stash": 2 * gpu if args.pipeline_schedule == "2bw" else 0,
+            "gradients": grad_bytes * gpu,
+            "optimizer": (4 + moments) * sharded,
+            "ef_buffer": 4 * sharded if args.delay_correction == "ef" else 0,
+            "activations": _activation_bytes(args, stage, per_stage, last),
+        }
+        rows.append({"stage": stage, "stage_params": counts["dense"] + counts["expert"],
+                     "stage_expert_params": counts["expert"], "gpu_params": gpu,
+                     "memory_gb": {k: v / 2**30 for k, v in memory.items()},
+                     "total_gb": sum(memory.values()) / 2**30})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU (GiB)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the training command line")
+    ns = parser.parse_args(argv)
+    train_args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+
+    from megatron_async.check_flags import parse, prepare
+
+    prepare()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # Megatron prints every argument
+        args = parse(train_args, ns.world_size)
+    args.padded_vocab_size = padded_vocab_size(args)
+    rows = plan(args)
+    total = sum(r["stage_params"] for r in rows)
+    topk = args.moe_router_topk if args.num_experts else 1
+    experts = sum(r["stage_expert_params"] for r in rows)
+    active = total - experts + experts * topk / (args.num_experts or 1)
+    print(f"model: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token; "
+          f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
+          f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
+    keys = list(rows[0]["memory_gb"])
+    print("| stage | params/GPU | " + " | ".join(f"{k} GB" for k in keys) + " | total GB |")
+    print("|" + " --- |" * (len(keys) + 3))
+    for r in rows:
+        print(f"| {r['stage']} | {r['gpu_params'] / 1e9:.3f}B | "
+              + " | ".join(f"{r['memory_gb'][k]:.1f}" for k in keys) + f" | {r['total_gb']:.1f} |")
+    fits = all(r["total_gb"] <= ns.gpu_gb for r in rows)
+    print(f"every stage fits in {ns.gpu_gb:g} GB" if fits else f"a stage exceeds {ns.gpu_gb:g} GB")
+    if ns.json:
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump({"total_params": total, "active_params": active, "padded_vocab_size": args.padded_vocab_size,
+                       "gpu_gb": ns.gpu_gb, "fits": fits,
+                       "stages": rows}, f, indent=1)
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""What CI can check of the cluster files without a container runtime, GPUs or Slurm.
+
+- the Dockerfile passes hadolint and every shell script passes shellcheck (both from
+  the Python package index, pinned in constraints.txt);
+- docker/install.sh, the install step the Dockerfile runs, installs this package into
+  the test environment and keeps its torch;
+- the Slurm rank script's dry run, for the SLURM_* values of rank 13 of a 4-node job,
+  prints the rendezvous and the exact command and checks it through Megatron's parser
+  plus ours; a flag 2bw refuses makes it fail, naming the flag;
+- the 10B MoE plan builds every stage on the meta device: its total parameter count
+  equals the closed-form count of the configuration, and every stage fits in 80 GB
+  (and not in 10 GB: the check can fail).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+TIMEOUT_S = 300
+
+
+def _shell_scripts():
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [f for f in files.split() if f.endswith((".sh", ".sbatch"))]
+
+
+def test_dockerfile_passes_hadolint():
+    proc = subprocess.run([str(BIN / "hadolint"), "Dockerfile"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_shell_scripts_pass_shellcheck():
+    scripts = _shell_scripts()
+    assert {"docker/install.sh", "examples/slurm/rank_command.sh", "examples/slurm/pretrain_2bw.sbatch",
+            "examples/moe_10b/flags.sh", "examples/demo.sh"} <= set(scripts)
+    proc = subprocess.run([str(BIN / "shellcheck"), "-x", *scripts], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_install_script_keeps_torch():
+    import torch
+
+    proc = subprocess.run(["bash", "docker/install.sh", "--editable"], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable), timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"torch=={torch.__version__.split('+')[0]}" in proc.stdout, proc.stdout
+    assert "plugin hooks in place" in proc.stdout
+
+
+SLURM = {"SLURM_PROCID": "13", "SLURM_NTASKS": "32", "SLURM_LOCALID": "5", "SLURM_NTASKS_PER_NODE": "8(x4)",
+         "SLURM_JOB_NODELIST": "gpu[003-006]", "SLURM_JOB_ID": "4242"}
+
+
+def _dry_run(tmp_path, extra=""):
+    env = dict(os.environ, **SLURM, CONFIG="examples/moe_10b/flags.sh", RUN_DIR=str(tmp_path), MOCK_DATA="1",
+               PYTHON=sys.executable, DRY_RUN="1", EXTRA_ARGS=extra, PATH=f"{BIN}:{os.environ['PATH']}")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    return subprocess.run(["bash", "examples/slurm/rank_command.sh"], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=TIMEOUT_S)
+
+
+def test_slurm_dry_run_prints_and_checks_the_rank_command(tmp_path):
+    proc = _dry_run(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("rank 13 of 32 (local 5 of 8)") and "MASTER_ADDR=gpu003 MASTER_PORT=24242" in lines[0]
+    command = lines[1]
+    assert command.startswith(f"{sys.executable} /workspace/megatron-lm/pretrain_gpt.py ")
+    for flag in ("--pipeline-schedule 2bw", "--optimizer muon", "--delay-correction ef", "--num-experts 64",
+                 f"--load {tmp_path}/checkpoints"):
+        assert flag in command, flag
+    assert lines[-1].startswith("ok: ") and "world size 32" in lines[-1]
+
+
+def test_slurm_dry_run_fails_on_a_refused_flag(tmp_path):
+    proc = _dry_run(tmp_path, extra="--log-params-norm")
+    assert proc.returncode == 2
+    assert "megatron-async: error: --pipeline-schedule 2bw: --log-params-norm" in proc.stderr, proc.stderr[-3000:]
+    # Megatron's own assertions are reported with their source line
+    proc = _dry_run(tmp_path, extra="--fp16")  # beside the config's --bf16
+    assert proc.returncode == 2 and "megatron-async: error: AssertionError: assert" in proc.stderr, proc.stderr[-3000:]
+
+
+def _closed_form_params():
+    """examples/moe_10b/flags.sh counted by hand: untied embeddings, 24 layers of RMSNorm,
+    QKV and output projection without biases, QK-norm over a 128-wide head, a router and
+    64 SwiGLU experts of FFN 1024; the final RMSNorm."""
+    h, layers, experts, ffn, head = 2048, 24, 64, 1024, 2048 // 16
+    vocab = -(-(50304 + 1) // 128) * 128  # NullTokenizer's end of document, padded to 128
+    per_layer = 2 * h + 4 * h * h + 2 * head + experts * h + experts * 3 * h * ffn
+    return 2 * vocab * h + h + layers * per_layer
+
+
+@pytest.fixture(scope="module")
+def moe_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    proc = subprocess.run(["bash", "examples/moe_10b/plan.sh", "--json", str(out)], cwd=REPO, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_moe_10b_plan_counts_the_configurations_parameters(moe_plan):
+    plan, stdout = moe_plan
+    assert plan["total_params"] == _closed_form_params()
+    assert 10.0e9 < plan["total_params"] < 10.5e9 and 1.7e9 < plan["active_params"] < 1.9e9
+    assert "10.28B parameters, 1.82B active per token" in stdout
+
+
+def test_moe_10b_plan_fits_every_stage_in_80_gb(moe_plan, tmp_path):
+    plan, _ = moe_plan
+    assert plan["fits"] and len(plan["stages"]) == 4
+    for stage in plan["stages"]:
+        assert 0 < stage["total_gb"] <= 80 and stage["memory_gb"]["stash"] == stage["memory_gb"]["weights"]
+    proc = subprocess.run(["bash", "examples/moe_10b/plan.sh", "--gpu-gb", "10"], cwd=REPO, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=TIMEOUT_S)
+    assert proc.returncode == 1 and "a stage exceeds 10 GB" in proc.stdout
