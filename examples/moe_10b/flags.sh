@@ -49,8 +49,9 @@ if [[ "${MOCK_DATA:-0}" == 1 ]]; then  # smoke runs and dry runs without the cor
 else
   : "${DATA_PREFIX:?set DATA_PREFIX to the prepared dataset prefix (examples/moe_10b/prepare_data.sh)}"
   : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a local tokenizer directory}"
+  read -ra DATA_PATHS <<< "$DATA_PREFIX"       # one or more prefixes, blended by size
   DATA_ARGS=(
-    --data-path "$DATA_PREFIX" --split "998,2,0"
+    --data-path "${DATA_PATHS[@]}" --split "998,2,0"
     --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL"
     --data-cache-path "$RUN_DIR/data_cache" --num-workers 2
   )
