@@ -79,6 +79,9 @@ def test_2bw_learns_on_the_corpus_and_writes_metrics_and_plot(full_run):
     assert sum(ordered[-5:]) / 5 < sum(ordered[:5]) / 5 - 0.3, ordered
     assert vals[ITERS] < math.log(400)  # better than uniform over the vocabulary
     assert f"iteration       {ITERS}/      {ITERS}" in full_run["stdout"]  # Megatron's own progress line
+    # --data-cache-path is keyed by the data's .idx files (megatron_async.data.cache)
+    (keyed,) = (full_run["dir"] / "cache").iterdir()
+    assert keyed.name.startswith("data-") and any(keyed.iterdir())
 
     assert full_run["plot"].read_bytes()[:8] == PNG_SIGNATURE
     import matplotlib.image

@@ -70,6 +70,18 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def _cache_path(args, blend, blend_per_split):
+    """--data-cache-path keyed by the datasets' .idx files (megatron_async.data.cache), so
+    data prepared again at the same path never reuses sample indices built for the old."""
+    if args.mock_data or args.data_cache_path is None:
+        return args.data_cache_path
+    from megatron_async.data.cache import keyed_cache_path
+
+    blends = [blend] + list(blend_per_split or [])
+    prefixes = sorted({prefix for b in blends if b for prefix in b[0]})
+    return keyed_cache_path(args.data_cache_path, prefixes)
+
+
 def dataset_config(args) -> GPTDatasetConfig:
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     return GPTDatasetConfig(
@@ -78,7 +90,7 @@ def dataset_config(args) -> GPTDatasetConfig:
         blend=blend,
         blend_per_split=blend_per_split,
         split=args.split,
-        path_to_cache=args.data_cache_path,
+        path_to_cache=_cache_path(args, blend, blend_per_split),
         mmap_bin_files=args.mmap_bin_files,
         tokenizer=build_tokenizer(args),
         reset_position_ids=args.reset_position_ids,
