@@ -1,4 +1,4 @@
-"""The benchmarks run end to end (--quick: pipeline throughput, soak, schedule start-up).
+"""The benchmarks run end to end (--quick: pipeline throughput in both harnesses, soak, schedule start-up).
 
 Only that it completes and reports every configuration: timings on a shared CI
 machine say nothing about speed, so none are asserted.
@@ -51,3 +51,13 @@ def test_quick_schedule_startup_reports_both_ways(tmp_path):
     assert [r["iterations"] for r in rows] == [100, 1_000]
     for row in rows:
         assert all(row[k] > 0 for k in ("whole_s", "whole_mb", "streamed_s", "streamed_mb")), row
+
+
+def test_quick_megatron_throughput_reports_an_efficiency(tmp_path):
+    from bench import megatron_throughput
+
+    out = tmp_path / "throughput.json"
+    result = megatron_throughput.main(["--quick", "--json", str(out)])
+    assert set(result["s_per_microbatch"]) == {"pp1_m4", "2bw_m4"}
+    assert all(t > 0 for t in result["s_per_microbatch"].values())
+    assert json.loads(out.read_text())["efficiency"]["2bw_m4"] > 0

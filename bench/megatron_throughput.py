@@ -1,0 +1,129 @@
+"""Pipeline throughput inside Megatron's own training loop, on CPU processes.
+
+    .venv/bin/python -m bench.megatron_throughput [--repeats R] [--iters N] [--json PATH]
+    .venv/bin/python -m bench.megatron_throughput --quick      # tiny model, two configurations
+
+Every configuration is a real `megatron.training.pretrain` run through the launcher
+(`-m megatron_async.launch --gpt`, mock data, no evaluation): PP=1, Megatron's 1F1B,
+Megatron's interleaved 1F1B (2 virtual stages per rank) and our 2bw at PP=2, for
+several microbatch counts m. Configurations run round-robin, R times, so machine
+noise hits all alike. Each rank writes its own mean seconds per iteration every
+--log-interval (`--rank-stats-dir`, no collective); the steady-state rate of a run is
+the mean over the windows after the first 10 iterations, of its slower rank, per
+microbatch. Efficiency is the ideal pipeline bound (PP=1's time per microbatch / 2)
+over a configuration's time per microbatch; the median over repeats is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (name, pipeline stages, microbatches per batch, extra flags)
+CONFIGS = [
+    ("pp1_m4", 1, 4, []),
+    ("1f1b_m4", 2, 4, []),
+    ("1f1b_m16", 2, 16, []),
+    ("interleaved_m4", 2, 4, ["--num-virtual-stages-per-pipeline-rank", "2"]),
+    ("interleaved_m16", 2, 16, ["--num-virtual-stages-per-pipeline-rank", "2"]),
+    ("2bw_m2", 2, 2, ["--pipeline-schedule", "2bw"]),
+    ("2bw_m4", 2, 4, ["--pipeline-schedule", "2bw"]),
+    ("2bw_m16", 2, 16, ["--pipeline-schedule", "2bw"]),
+]
+QUICK_CONFIGS = [c for c in CONFIGS if c[0] in ("pp1_m4", "2bw_m4")]
+FULL_MODEL = dict(layers=8, hidden=256, heads=4, vocab=4096, seq=128, mbs=4)
+QUICK_MODEL = dict(layers=4, hidden=32, heads=4, vocab=64, seq=16, mbs=2)
+WARMUP_ITERS = 10
+LOG_INTERVAL = 5
+
+
+def command(model: dict, pp: int, m: int, extra: list, iters: int, stats_dir: str) -> list[str]:
+    gbs = m * model["mbs"]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
+        "-m", "megatron_async.launch", "--gpt",
+        "--num-layers", str(model["layers"]), "--hidden-size", str(model["hidden"]),
+        "--num-attention-heads", str(model["heads"]), "--seq-length", str(model["seq"]),
+        "--max-position-embeddings", str(model["seq"]), "--micro-batch-size", str(model["mbs"]),
+        "--global-batch-size", str(gbs), "--untie-embeddings-and-output-weights",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(model["vocab"]), "--num-workers", "0", "--rerun-mode", "disabled",
+        "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", str(LOG_INTERVAL),
+        "--eval-interval", str(10 * iters), "--eval-iters", "0", "--pipeline-model-parallel-size", str(pp),
+        "--rank-stats-dir", stats_dir, *extra,
+    ]
+
+
+def seconds_per_microbatch(stats_dir: str, m: int) -> float:
+    """Steady state: mean s/iter of the windows after WARMUP_ITERS, slower rank, per microbatch."""
+    per_rank = []
+    for path in sorted(Path(stats_dir).glob("rank*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        steady = [r["s_per_iter"] for r in records if r["iteration"] > WARMUP_ITERS + LOG_INTERVAL]
+        if not steady:
+            raise RuntimeError(f"{path}: no steady-state record (train longer than {WARMUP_ITERS} iterations)")
+        per_rank.append(statistics.fmean(steady))
+    return max(per_rank) / m
+
+
+def run(model: dict, config: tuple, iters: int) -> float:
+    name, pp, m, extra = config
+    with tempfile.TemporaryDirectory() as stats_dir:
+        cmd = command(model, pp, m, extra, iters, stats_dir)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return seconds_per_microbatch(stats_dir, m)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=40, help="training iterations per run")
+    parser.add_argument("--quick", action="store_true", help="tiny model, PP=1 and 2bw m=4, one repeat")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    model, configs = (QUICK_MODEL, QUICK_CONFIGS) if args.quick else (FULL_MODEL, CONFIGS)
+    repeats, iters = (1, 25) if args.quick else (args.repeats, args.iters)
+    times: dict[str, list[float]] = {c[0]: [] for c in configs}
+    for r in range(repeats):
+        for config in configs:
+            times[config[0]].append(run(model, config, iters))
+            print(f"repeat {r + 1}/{repeats} {config[0]}: {times[config[0]][-1]:.4f} s/microbatch", flush=True)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    bound = median["pp1_m4"] / 2
+    result = {
+        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "model": model, "iters": iters, "repeats": repeats,
+        "command": "python -m bench.megatron_throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "s_per_microbatch": median, "runs": times,
+        "efficiency": {name: bound / t for name, t in median.items() if name != "pp1_m4"},
+    }
+    print(report(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def report(r: dict) -> str:
+    lines = ["| configuration | s / microbatch (median) | efficiency vs PP=1 / 2 |", "| --- | --- | --- |"]
+    for name, t in r["s_per_microbatch"].items():
+        eff = r["efficiency"].get(name)
+        lines.append(f"| {name} | {t:.4f} | {'-' if eff is None else f'{100 * eff:.0f}%'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
