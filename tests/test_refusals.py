@@ -1,9 +1,10 @@
 """Flags the plugin cannot honour are refused by Megatron's own argument validation,
 before any process group exists, with a message naming the flag.
 
-Every case goes through `parse_and_validate_args` with the plugin installed, as the
-launcher's GPT entry runs it first (megatron_async.testing.refusals, one process
-for all cases). A valid 2bw command line is accepted (the negative control: the
+Every case goes through Megatron's argument parser and `validate_args` with the
+plugin installed, as the launcher's GPT entry runs them first
+(megatron_async.check_flags via megatron_async.testing.refusals, one process for all
+cases). A valid 2bw command line is accepted (the negative control: the
 harness does not refuse everything). That a refusal reaches the user as one line
 and exit 2 on every rank under torchrun is in tests/test_megatron_loop.py and
 tests/test_data_checks.py.
@@ -57,6 +58,12 @@ CASES = {
     "parameter norm": (2, BASE + TWO_BW + ["--log-params-norm"], "--log-params-norm"),
     "overlapped parameter gather": (4, BASE + TWO_BW + ["--use-distributed-optimizer", "--overlap-param-gather",
                                                         "--overlap-grad-reduce"], "--overlap-param-gather"),
+    "straggler detector": (2, BASE + TWO_BW + ["--log-straggler"], "--log-straggler"),
+    "batch-size ramp-up": (2, _without(BASE, "--global-batch-size") + TWO_BW + [
+        "--global-batch-size", "16", "--rampup-batch-size", "8", "8", "100"], "--rampup-batch-size"),
+    "cuda graphs": (2, BASE + TWO_BW + ["--cuda-graph-impl", "local"], "--cuda-graph-impl"),
+    "virtual pipeline stages": (2, _without(BASE, "--num-layers") + TWO_BW + [
+        "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2"], "virtual pipeline stages"),
     "timing barriers": (2, BASE + TWO_BW + ["--timing-log-level", "1"], "--timing-log-level"),
     "too few microbatches": (4, _without(BASE, "--num-layers", "--global-batch-size") + [
         "--num-layers", "4", "--global-batch-size", "4", "--pipeline-model-parallel-size", "4",

@@ -67,9 +67,9 @@ class TwoBWRunner:
         self.eval_links = stage_links(duplicate_pipeline_group())
         if clip_grad_mode not in ("stage-local", "stale-global"):
             raise ValueError(f"--clip-grad-mode must be stage-local or stale-global, got {clip_grad_mode!r}")
-        if clip_grad_mode == "stale-global" and stale_norm is None:
-            stale_norm = StaleGlobalNorm(duplicate_pipeline_group(), self.device)
-        self.stale_norm = stale_norm if clip_grad_mode == "stale-global" else None
+        self.stale_norm = None
+        if clip_grad_mode == "stale-global":  # Megatron's loop hands in the one its checkpoints restore
+            self.stale_norm = stale_norm or StaleGlobalNorm(duplicate_pipeline_group(), self.device)
         # the 2bw lists, one batch at a time (start-up and memory independent of the run's length)
         stream = TwoBWStream(p, num_microbatches, num_batches - start_batch, first_batch=start_batch)
         stage = self.links.stage

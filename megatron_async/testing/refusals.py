@@ -3,8 +3,8 @@
     python -m megatron_async.testing.refusals CASES.json OUT.json
 
 CASES.json maps a case name to {"world": N, "argv": [...]}. Each command line goes
-through megatron_async.check_flags (Megatron's `parse_and_validate_args` with the
-plugin installed, the launcher's CPU flags added, under WORLD_SIZE=N). OUT.json
+through megatron_async.check_flags (Megatron's argument parser and `validate_args`
+with the plugin installed, the launcher's CPU flags added, under WORLD_SIZE=N). OUT.json
 maps each name to {"refused": bool, "error": message or None}. One process for all
 cases, since importing Megatron costs seconds a process.
 """
