@@ -41,7 +41,25 @@ CONFIGS = [
     ("2bw_m16", 2, 16, ["--pipeline-schedule", "2bw"]),
 ]
 QUICK_CONFIGS = [c for c in CONFIGS if c[0] in ("pp1_m4", "2bw_m4")]
+
+
+def layout(first: int, last: int) -> list[str]:
+    """Megatron's own uneven split: transformer layers on the first and the last stage."""
+    return ["--decoder-first-pipeline-num-layers", str(first), "--decoder-last-pipeline-num-layers", str(last)]
+
+
+# Stage balance at PP=2, m=4 on the 16-layer model: the last stage also computes the
+# output layer and the loss, so it gets fewer transformer layers.
+BALANCE_CONFIGS = [
+    ("pp1_m4", 1, 4, []),
+    ("1f1b_m4_8+8", 2, 4, []),
+    ("1f1b_m4_9+7", 2, 4, layout(9, 7)),
+    ("2bw_m4_8+8", 2, 4, ["--pipeline-schedule", "2bw"]),
+    ("2bw_m4_9+7", 2, 4, ["--pipeline-schedule", "2bw", *layout(9, 7)]),
+    ("2bw_m4_10+6", 2, 4, ["--pipeline-schedule", "2bw", *layout(10, 6)]),
+]
 FULL_MODEL = dict(layers=8, hidden=256, heads=4, vocab=4096, seq=128, mbs=4)
+BALANCE_MODEL = dict(FULL_MODEL, layers=16)
 QUICK_MODEL = dict(layers=4, hidden=32, heads=4, vocab=64, seq=16, mbs=2)
 WARMUP_ITERS = 10
 LOG_INTERVAL = 5
@@ -92,9 +110,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=40, help="training iterations per run")
     parser.add_argument("--quick", action="store_true", help="tiny model, PP=1 and 2bw m=4, one repeat")
+    parser.add_argument("--balance", action="store_true",
+                        help="16-layer model: even and uneven first/last-stage layer counts at PP=2, m=4")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model, configs = (QUICK_MODEL, QUICK_CONFIGS) if args.quick else (FULL_MODEL, CONFIGS)
+    if args.balance:
+        model, configs = BALANCE_MODEL, BALANCE_CONFIGS
     repeats, iters = (1, 25) if args.quick else (args.repeats, args.iters)
     times: dict[str, list[float]] = {c[0]: [] for c in configs}
     for r in range(repeats):

@@ -117,6 +117,8 @@ def test_every_generated_schedule_validates(data):
     m = data.draw(st.integers(p, 4 * p), label="m")
     n = data.draw(st.integers(1, 4), label="n")
     for name in GENERATORS:
+        if name == "interleaved-1f1b" and m % p:
+            continue  # Megatron's order groups p microbatches (tests/test_zero_bubble_schedules.py)
         report = validate(generate(name, p, m, n))
         assert report.num_microbatches == n * m
 

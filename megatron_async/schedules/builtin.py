@@ -21,6 +21,7 @@ register_schedule(
     "interleaved-1f1b",
     description="Megatron-Core interleaved 1F1B over virtual pipeline stages",
     forward_backward_func=_MCORE + "forward_backward_pipelining_with_interleaving",
+    generator=_GEN + "interleaved_1f1b",
     requires_pipeline=True,
 )
 register_schedule(
@@ -43,4 +44,17 @@ register_schedule(
     generator=_GEN + "pipedream",
     requires_pipeline=True,
     asynchronous=True,
+)
+register_schedule(
+    "zb-h1",
+    description="Zero bubble H1: 1F1B with the backward split into input and weight gradients "
+                "(action lists only)",
+    generator=_GEN + "zb_h1",
+    requires_pipeline=True,
+)
+register_schedule(
+    "zbv",
+    description="Zero bubble V: two model pieces per stage in a V, split backward (action lists only)",
+    generator=_GEN + "zbv",
+    requires_pipeline=True,
 )

@@ -16,6 +16,8 @@ from megatron_async.schedules.simulator import SimResult
 COLOURS = {
     "forward": ("#9ecae9", "#4c78a8"),  # (even version, odd version)
     "backward": ("#ffbf79", "#f58518"),
+    "backward_input": ("#ffbf79", "#f58518"),  # the input half of a split backward, same colour
+    "backward_weight": ("#b5e3a1", "#72b7b2"),
     "optimizer": ("#54a24b", "#54a24b"),
     "sync": ("#d0d0d0", "#d0d0d0"),
 }
@@ -41,7 +43,7 @@ def plot_gantt(result: SimResult, path: str, title: Optional[str] = None) -> str
         shade = COLOURS[e.kind][(e.version or 0) % 2]
         ax.add_patch(Rectangle((e.start, y - 0.4), dur, 0.8, facecolor=shade, edgecolor="black", lw=0.5,
                                hatch="//" if e.kind == "sync" else None))
-        if e.kind in ("forward", "backward") and dur * unit > 0.12:
+        if e.microbatch is not None and dur * unit > 0.12:
             label = f"{e.microbatch}\nv{e.version}" if dur * unit > 0.22 else f"{e.microbatch}"
             ax.text(e.start + dur / 2, y, label, ha="center", va="center", fontsize=7, linespacing=0.9)
         elif e.kind == "optimizer" and dur * unit > 0.12:
@@ -56,6 +58,8 @@ def plot_gantt(result: SimResult, path: str, title: Optional[str] = None) -> str
     handles = [Patch(facecolor=COLOURS["forward"][0], edgecolor="black", lw=0.5, label="forward"),
                Patch(facecolor=COLOURS["backward"][0], edgecolor="black", lw=0.5, label="backward"),
                Patch(facecolor=COLOURS["forward"][1], edgecolor="black", lw=0.5, label="darker: odd version"),
+               *([Patch(facecolor=COLOURS["backward_weight"][0], edgecolor="black", lw=0.5,
+                        label="weight gradient")] if any(e.kind == "backward_weight" for e in result.events) else []),
                Patch(facecolor=COLOURS["optimizer"][0], label="optimizer step")]
     if any(e.kind == "sync" for e in result.events):
         handles.append(Patch(facecolor=COLOURS["sync"][0], hatch="//", label="wait in step collective"))

@@ -8,22 +8,37 @@ actions forms one run. Inside each run it picks the order by replaying the whole
 pipeline with rendezvous semantics (a send and its receive happen together), so
 every stage's list is a slice of one global execution and blocking p2p cannot
 deadlock (see `actions` for the executor contract).
+
+With a `Placement` of several chunks per stage (interleaved 1F1B, ZB-V), a tensor
+passed between two pieces on the same stage needs no communication, and two stages
+may send to each other at the same moment, which deadlocks under rendezvous. Such
+schedules are connected with buffered sends (a send completes when posted, a
+receive when its send was posted; what Megatron gets by batching each send with
+the next receive), and their `ActionLists` say so (`buffered_sends`), for the
+validator. The simulator models sends that way for every schedule.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable, Sequence
 
 from megatron_async.schedules.actions import (
+    MATCHING,
     Action,
+    ActionLists,
     Backward,
+    BackwardInput,
     Compute,
     Forward,
+    Placement,
     RecvActivation,
     RecvGrad,
     SendActivation,
     SendGrad,
+    is_send,
     matches,
+    tensor_key,
 )
 
 
@@ -46,46 +61,82 @@ def one_f_one_b(microbatches: Sequence[int], warmup: int) -> list[tuple[str, int
     return order
 
 
-def _needs(action: Compute, stage: int, last: int) -> list[Action]:
+def _neighbour(placement: Placement, stage: int, chunk: int, step: int):
+    """(stage, chunk) of the piece `step` away in model order, None past either end."""
+    return placement.holder(placement.piece(stage, chunk) + step)
+
+
+def _needs(action: Compute, stage: int, placement: Placement) -> list[Action]:
     """Receives that must precede `action` at `stage`."""
-    if isinstance(action, Forward) and stage > 0:
-        return [RecvActivation(action.microbatch, stage - 1)]
-    if isinstance(action, Backward) and stage < last:
-        return [RecvGrad(action.microbatch, stage + 1)]
+    if isinstance(action, Forward):
+        prev = _neighbour(placement, stage, action.chunk, -1)
+        if prev is not None and prev[0] != stage:
+            return [RecvActivation(action.microbatch, prev[0], action.chunk)]
+    elif isinstance(action, (Backward, BackwardInput)):
+        nxt = _neighbour(placement, stage, action.chunk, +1)
+        if nxt is not None and nxt[0] != stage:
+            return [RecvGrad(action.microbatch, nxt[0], action.chunk)]
     return []
 
 
-def _produces(action: Compute, stage: int, last: int) -> list[Action]:
+def _produces(action: Compute, stage: int, placement: Placement) -> list[Action]:
     """Sends that follow `action` at `stage`."""
-    if isinstance(action, Forward) and stage < last:
-        return [SendActivation(action.microbatch, stage + 1)]
-    if isinstance(action, Backward) and stage > 0:
-        return [SendGrad(action.microbatch, stage - 1)]
+    if isinstance(action, Forward):
+        nxt = _neighbour(placement, stage, action.chunk, +1)
+        if nxt is not None and nxt[0] != stage:
+            return [SendActivation(action.microbatch, nxt[0], action.chunk)]
+    elif isinstance(action, (Backward, BackwardInput)):
+        prev = _neighbour(placement, stage, action.chunk, -1)
+        if prev is not None and prev[0] != stage:
+            return [SendGrad(action.microbatch, prev[0], action.chunk)]
     return []
 
 
-def _segments(compute: Sequence[Iterable[Compute]]) -> list[list[tuple[str, object]]]:
+def _segments(compute: Sequence[Iterable[Compute]], placement: Placement) -> list[list[tuple[str, object]]]:
     """Per stage: compute actions, and between them the run of sends of the previous
     compute plus receives of the next one, as ("compute", action) / ("comm", [actions])."""
-    last = len(compute) - 1
     segments = []
     for s, acts in enumerate(compute):
         segs, pending = [], []
         for a in acts:
-            run = pending + _needs(a, s, last)
+            run = pending + _needs(a, s, placement)
             if run:
                 segs.append(("comm", run))
             segs.append(("compute", a))
-            pending = _produces(a, s, last)
+            pending = _produces(a, s, placement)
         if pending:
             segs.append(("comm", pending))
         segments.append(segs)
     return segments
 
 
-def add_communication(compute: Sequence[Iterable[Compute]]) -> list[list[Action]]:
-    """Full action lists from per-stage compute orders (see module docstring)."""
-    segments = _segments(compute)
+def _post_buffered(s: int, run: list, out: list, posted: dict, placement: Placement) -> None:
+    """Sends complete at once; a receive completes when its send heads its channel."""
+    for a in list(run):
+        if is_send(a):
+            posted.setdefault((s, a.peer, type(a)), deque()).append(tensor_key(a, s, placement))
+        else:
+            channel = posted.get((a.peer, s, MATCHING[type(a)]))
+            if not channel or channel[0] != tensor_key(a, s, placement):
+                continue
+            channel.popleft()
+        out.append(a)
+        run.remove(a)
+
+
+def add_communication(compute: Sequence[Iterable[Compute]],
+                      placement: Placement | None = None) -> list[list[Action]]:
+    """Full action lists from per-stage compute orders (see module docstring); with a
+    placement other than one piece per stage, an `ActionLists` that carries it."""
+    if placement is None or placement.chunks_per_stage == 1:
+        lists = _connect(compute, placement or Placement.linear(len(compute)), buffered=False)
+        return ActionLists(lists, placement) if placement is not None else lists
+    return ActionLists(_connect(compute, placement, buffered=True), placement, buffered_sends=True)
+
+
+def _connect(compute: Sequence[Iterable[Compute]], placement: Placement, buffered: bool) -> list[list[Action]]:
+    segments = _segments(compute, placement)
+    posted: dict[tuple, deque] = {}  # buffered: (sender, receiver, send type) -> keys in posting order
     stages = range(len(segments))
     out: list[list[Action]] = [[] for _ in stages]
     pos = [0] * len(segments)  # current segment per stage
@@ -110,10 +161,12 @@ def add_communication(compute: Sequence[Iterable[Compute]]) -> list[list[Action]
                 pos[s] += 1
                 continue
             run = current_run(s)
-            for a in list(run):
+            if buffered:
+                _post_buffered(s, run, out[s], posted, placement)
+            for a in [] if buffered else list(run):
                 peer_run = current_run(a.peer)
                 other = next((b for b in peer_run if matches(a, s, b, a.peer)), None)
-                if other is not None and other.microbatch == a.microbatch:
+                if other is not None and tensor_key(other, a.peer, placement) == tensor_key(a, s, placement):
                     out[s].append(a)
                     out[a.peer].append(other)
                     run.remove(a)

@@ -6,13 +6,18 @@ at these functions; `generate` is the short way to call one by name.
 
 from megatron_async.schedules.gen_2bw import min_microbatches_2bw, two_bw  # noqa: F401
 from megatron_async.schedules.gen_flush import gpipe, one_f_one_b_flush  # noqa: F401
+from megatron_async.schedules.gen_interleaved import interleaved_1f1b  # noqa: F401
 from megatron_async.schedules.gen_pipedream import pipedream, pipedream_versions  # noqa: F401
+from megatron_async.schedules.gen_zero_bubble import zb_h1, zbv  # noqa: F401
 
 GENERATORS = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b_flush,
     "2bw": two_bw,
     "pipedream": pipedream,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zbv": zbv,
 }
 
 

@@ -2,7 +2,8 @@
 
 Example: megatron-async-simulate --schedule 2bw --pp 4 --microbatches 4 --batches 3 --plot 2bw.png
 Costs are in arbitrary time units; --fwd/--bwd/--opt take one number or one per
-stage, comma-separated (imbalanced stages).
+stage, comma-separated (imbalanced stages). On schedules with two pieces per stage
+(interleaved-1f1b, zbv) a cost is per pass of one piece.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from megatron_async.schedules.registry import get_schedule_generator
 from megatron_async.schedules.simulator import simulate, to_chrome_trace
 from megatron_async.schedules.validator import ScheduleError
 
-SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "2bw", "pipedream")
 PROG = "megatron-async-simulate"
 
 
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", type=_positive, default=3, help="batches (optimizer steps) n")
     ap.add_argument("--fwd", type=_costs, default=1.0, help="forward cost (or one per stage, comma-separated)")
     ap.add_argument("--bwd", type=_costs, default=2.0, help="backward cost (or one per stage)")
+    ap.add_argument("--bwd-input", type=_costs, default=None,
+                    help="input-gradient half of a split backward (zb-h1, zbv; default bwd / 2)")
+    ap.add_argument("--bwd-weight", type=_costs, default=None,
+                    help="weight-gradient half of a split backward (default bwd / 2)")
     ap.add_argument("--opt", type=_costs, default=0.0, help="optimizer step cost (or one per stage)")
     ap.add_argument("--p2p", type=float, default=0.0, help="point-to-point latency")
     ap.add_argument("--sync-at-step", action="store_true",
@@ -83,7 +88,8 @@ def main(argv=None) -> int:
     try:
         schedule = get_schedule_generator(args.schedule)(args.pp, args.microbatches, args.batches)
         result = simulate(schedule, fwd=args.fwd, bwd=args.bwd, opt=args.opt, p2p=args.p2p,
-                          sync_at_step=args.sync_at_step, sync_cost=args.sync_cost)
+                          sync_at_step=args.sync_at_step, sync_cost=args.sync_cost,
+                          bwd_input=args.bwd_input, bwd_weight=args.bwd_weight)
     except (ValueError, ScheduleError) as err:
         ap.exit(2, f"{PROG}: error: {_flag_of(str(err))}: {err}\n")
     summary = {"schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches,

@@ -10,6 +10,11 @@ With `sync_at_step=True`, optimizer step t is a blocking collective over all sta
 like a global gradient-norm all-reduce: each stage's step t starts only once every
 stage has reached its step t, plus `sync_cost`, then takes `opt`.
 
+Zero-bubble schedules split backwards: `bwd_input` and `bwd_weight` cost the two
+halves (by default half of `bwd` each; their sum above `bwd` is the split's own
+overhead). On stages holding several pieces of the model (interleaved, ZB-V) every
+cost is per pass of one piece: the caller divides a stage's cost by its chunks.
+
 Busy time is forward + backward + optimizer compute; everything else in
 [0, makespan] (waiting for data, for the collective, `sync_cost`) is bubble.
 """
@@ -21,14 +26,15 @@ from typing import Optional, Sequence, Union
 
 from megatron_async.schedules.actions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     OptimizerStep,
-    RecvActivation,
     Schedule,
-    SendActivation,
-    SendGrad,
     is_comm,
     is_send,
+    placement_of,
+    tensor_key,
 )
 from megatron_async.schedules.validator import ScheduleReport, validate
 
@@ -38,12 +44,13 @@ Cost = Union[float, Sequence[float]]
 @dataclass(frozen=True)
 class SimEvent:
     stage: int
-    kind: str  # "forward" | "backward" | "optimizer" | "sync" (waiting in the step collective)
+    kind: str  # "forward" | "backward" | "backward_input" | "backward_weight" | "optimizer" | "sync"
     start: float
     end: float
     microbatch: Optional[int] = None
     version: Optional[int] = None
     step: Optional[int] = None
+    chunk: int = 0
 
 
 @dataclass
@@ -90,13 +97,6 @@ def _per_stage(value: Cost, p: int, name: str) -> list[float]:
     return values
 
 
-def _channel(action, stage: int) -> tuple:
-    """Key shared by a send and its receive: (kind, sender, receiver, microbatch)."""
-    kind = "act" if isinstance(action, (SendActivation, RecvActivation)) else "grad"
-    src, dst = (stage, action.peer) if is_send(action) else (action.peer, stage)
-    return kind, src, dst, action.microbatch
-
-
 def _throughput(schedule: Schedule, step_ends: list[float], makespan: float, total: int) -> float:
     """Microbatches per time unit between the ends of step 0 and step T-2 (the middle
     batches: no warm-up, no cool-down); the whole run when there are fewer than 3 steps."""
@@ -104,7 +104,7 @@ def _throughput(schedule: Schedule, step_ends: list[float], makespan: float, tot
         return total / makespan if makespan > 0 else float("inf")
     per_step, count = [], 0
     for a in schedule[0]:
-        if isinstance(a, Backward):
+        if isinstance(a, (Backward, BackwardWeight)) and a.chunk == 0:
             count += 1
         elif isinstance(a, OptimizerStep):
             per_step.append(count)
@@ -114,11 +114,16 @@ def _throughput(schedule: Schedule, step_ends: list[float], makespan: float, tot
 
 
 def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0.0, p2p: float = 0.0,
-             sync_at_step: bool = False, sync_cost: float = 0.0) -> SimResult:
+             sync_at_step: bool = False, sync_cost: float = 0.0, bwd_input: Optional[Cost] = None,
+             bwd_weight: Optional[Cost] = None) -> SimResult:
     """Time `schedule` (validated first) under the given costs; see module docstring."""
     report = validate(schedule)
-    p = len(schedule)
+    p, placement = len(schedule), placement_of(schedule)
     f, b, o = _per_stage(fwd, p, "fwd"), _per_stage(bwd, p, "bwd"), _per_stage(opt, p, "opt")
+    bi = [x / 2 for x in b] if bwd_input is None else _per_stage(bwd_input, p, "bwd_input")
+    bw = [x / 2 for x in b] if bwd_weight is None else _per_stage(bwd_weight, p, "bwd_weight")
+    pass_cost = {Forward: ("forward", f), Backward: ("backward", b), BackwardInput: ("backward_input", bi),
+                 BackwardWeight: ("backward_weight", bw)}
     if p2p < 0 or sync_cost < 0:
         raise ValueError("p2p and sync_cost must be >= 0")
     lists = [list(acts) for acts in schedule]
@@ -132,9 +137,10 @@ def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0
         acts, moved = lists[s], False
         while ptr[s] < len(acts):
             a = acts[ptr[s]]
-            if isinstance(a, (Forward, Backward)):
-                kind, dur = ("forward", f[s]) if isinstance(a, Forward) else ("backward", b[s])
-                events.append(SimEvent(s, kind, clock[s], clock[s] + dur, a.microbatch, a.version))
+            if type(a) in pass_cost:
+                kind, costs = pass_cost[type(a)]
+                dur = costs[s]
+                events.append(SimEvent(s, kind, clock[s], clock[s] + dur, a.microbatch, a.version, chunk=a.chunk))
             elif isinstance(a, OptimizerStep):
                 start = clock[s]
                 if sync_at_step:
@@ -153,9 +159,9 @@ def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0
                 batch = acts[ptr[s]:end]
                 if not posted[s]:
                     for c in filter(is_send, batch):
-                        sent[_channel(c, s)] = clock[s]
+                        sent[tensor_key(c, s, placement)] = clock[s]
                     posted[s] = moved = True
-                keys = [_channel(c, s) for c in batch if not is_send(c)]
+                keys = [tensor_key(c, s, placement) for c in batch if not is_send(c)]
                 if any(k not in sent for k in keys):
                     return moved
                 clock[s] = max([clock[s]] + [sent[k] + p2p for k in keys])
@@ -198,9 +204,10 @@ def to_chrome_trace(result: SimResult, time_unit_us: float = 1000.0) -> dict:
     trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
              for s in range(result.num_stages)]
     for e in result.events:
-        if e.kind in ("forward", "backward"):
-            name = f"{e.kind[0].upper()}{e.microbatch} v{e.version}"
-            args = {"microbatch": e.microbatch, "version": e.version}
+        if e.microbatch is not None:
+            letter = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}[e.kind]
+            name = f"{letter}{e.microbatch} v{e.version}" + (f" c{e.chunk}" if e.chunk else "")
+            args = {"microbatch": e.microbatch, "version": e.version, "chunk": e.chunk}
         else:
             name = f"{'step' if e.kind == 'optimizer' else 'sync'} {e.step}"
             args = {"step": e.step}

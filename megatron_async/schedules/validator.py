@@ -27,15 +27,21 @@ from dataclasses import dataclass, field
 
 from megatron_async.schedules.actions import (
     MATCHING,
+    PASS_TYPES,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     OptimizerStep,
+    Placement,
     RecvActivation,
     RecvGrad,
     Schedule,
     SendActivation,
     SendGrad,
     is_comm,
+    placement_of,
+    tensor_key,
 )
 
 
@@ -74,57 +80,140 @@ def _fail(stage: int, index, action, what: str):
 def _last_use(actions) -> dict[int, int]:
     last = {}
     for i, a in enumerate(actions):
-        if isinstance(a, (Forward, Backward)):
+        if isinstance(a, PASS_TYPES):
             last[a.version] = i
     return last
 
 
-def _check_peer(s, i, a, last):
-    expected = s + 1 if isinstance(a, (SendActivation, RecvGrad)) else s - 1
-    if a.peer != expected or not 0 <= expected <= last:
-        flow = "to the next stage" if isinstance(a, (SendActivation, RecvGrad)) else "to the previous stage"
+def _check_peer(s, i, a, placement: Placement):
+    downstream = isinstance(a, (SendActivation, RecvGrad))
+    if (s, a.chunk) not in placement.order:
+        _fail(s, i, a, f"chunk {a.chunk} is not held by stage {s} in the placement")
+    other = placement.holder(placement.piece(s, a.chunk) + (1 if downstream else -1))
+    if other is None or other[0] != a.peer or a.peer == s:
+        flow = "to the next piece of the model" if downstream else "to the previous piece"
+        expected = "no stage (the model ends there)" if other is None else f"stage {other[0]}"
         _fail(s, i, a, f"peer {a.peer} is not stage {s}'s neighbour in that direction "
-                       f"({type(a).__name__} talks {flow}, stages 0..{last})")
+                       f"({type(a).__name__} talks {flow}: {expected})")
 
 
-def _check_stage(s: int, actions, last: int) -> _StageStats:
-    fwd, bwd = {}, set()
-    recv_act, recv_grad, sent_act, sent_grad = set(), set(), set(), set()
+class _Stage:
+    """What one stage has done so far, keyed by (microbatch, chunk)."""
+
+    def __init__(self, s: int, placement: Placement):
+        self.s, self.placement = s, placement
+        self.fwd, self.grad_in, self.grad_w = {}, set(), set()
+        self.recv_act, self.recv_grad, self.sent_act, self.sent_grad = set(), set(), set(), set()
+
+    def local(self, chunk: int, step: int):
+        """The chunk of this stage `step` pieces away from `chunk`: ("local", c), ("remote", stage) or None."""
+        other = self.placement.holder(self.placement.piece(self.s, chunk) + step)
+        if other is None:
+            return None
+        return ("local", other[1]) if other[0] == self.s else ("remote", other[0])
+
+
+def _check_forward(st: _Stage, i, a, newest):
+    key = (a.microbatch, a.chunk)
+    if key in st.fwd:
+        _fail(st.s, i, a, f"microbatch {a.microbatch} is forwarded twice")
+    prev = st.local(a.chunk, -1)
+    if prev and prev[0] == "remote" and key not in st.recv_act:
+        _fail(st.s, i, a, f"Forward of microbatch {a.microbatch} before its input arrived: "
+                          f"{RecvActivation(a.microbatch, prev[1], a.chunk)!r} is missing before it")
+    if prev and prev[0] == "local" and (a.microbatch, prev[1]) not in st.fwd:
+        _fail(st.s, i, a, f"Forward of microbatch {a.microbatch} before the forward of its input "
+                          f"on chunk {prev[1]} of this stage")
+    if not 0 <= a.version <= newest:
+        _fail(st.s, i, a, f"uses version {a.version}, but only versions 0..{newest} exist here "
+                          f"(OptimizerStep({a.version - 1}) has not run on this stage yet)")
+    st.fwd[key] = a.version
+
+
+def _check_backward(st: _Stage, i, a):
+    """A Backward or BackwardInput: the input gradient of one microbatch."""
+    key, k = (a.microbatch, a.chunk), a.microbatch
+    if key not in st.fwd:
+        _fail(st.s, i, a, f"Backward of microbatch {k} before its Forward")
+    if key in st.grad_in:
+        _fail(st.s, i, a, f"microbatch {k} is backpropagated twice")
+    if a.version != st.fwd[key]:
+        _fail(st.s, i, a, f"version mismatch: Backward of microbatch {k} uses version {a.version} "
+                          f"but its Forward used version {st.fwd[key]}")
+    nxt = st.local(a.chunk, +1)
+    if nxt and nxt[0] == "remote" and key not in st.recv_grad:
+        _fail(st.s, i, a, f"Backward of microbatch {k} before its output gradient arrived: "
+                          f"{RecvGrad(k, nxt[1], a.chunk)!r} is missing before it")
+    if nxt and nxt[0] == "local" and (k, nxt[1]) not in st.grad_in:
+        _fail(st.s, i, a, f"Backward of microbatch {k} before the backward of chunk {nxt[1]} of this stage")
+    st.grad_in.add(key)
+
+
+def _check_weight(st: _Stage, i, a):
+    key = (a.microbatch, a.chunk)
+    if key not in st.grad_in:
+        _fail(st.s, i, a, f"BackwardWeight of microbatch {a.microbatch} before its BackwardInput")
+    if key in st.grad_w:
+        _fail(st.s, i, a, f"weight gradient of microbatch {a.microbatch} is computed twice")
+    if a.version != st.fwd[key]:
+        _fail(st.s, i, a, f"version mismatch: BackwardWeight of microbatch {a.microbatch} uses version "
+                          f"{a.version} but its Forward used version {st.fwd[key]}")
+    st.grad_w.add(key)
+
+
+def _check_comm(st: _Stage, i, a):
+    _check_peer(st.s, i, a, st.placement)
+    key, k = (a.microbatch, a.chunk), a.microbatch
+    if isinstance(a, SendActivation):
+        if key not in st.fwd:
+            _fail(st.s, i, a, f"sends the activation of microbatch {k} before its Forward")
+        if key in st.sent_act:
+            _fail(st.s, i, a, f"activation of microbatch {k} is sent twice")
+        st.sent_act.add(key)
+    elif isinstance(a, SendGrad):
+        if key not in st.grad_in:
+            _fail(st.s, i, a, f"sends the gradient of microbatch {k} before its Backward")
+        if key in st.sent_grad:
+            _fail(st.s, i, a, f"gradient of microbatch {k} is sent twice")
+        st.sent_grad.add(key)
+    elif isinstance(a, RecvActivation):
+        if key in st.recv_act:
+            _fail(st.s, i, a, f"activation of microbatch {k} is received twice")
+        st.recv_act.add(key)
+    elif isinstance(a, RecvGrad):
+        if key not in st.sent_act:
+            _fail(st.s, i, a, f"receives the gradient of microbatch {k} before sending its activation")
+        if key in st.recv_grad:
+            _fail(st.s, i, a, f"gradient of microbatch {k} is received twice")
+        st.recv_grad.add(key)
+
+
+def _check_stage(s: int, actions, placement: Placement) -> _StageStats:
+    st = _Stage(s, placement)
     newest, inflight, max_inflight = 0, 0, 0
     pending_grads, delays = [], set()
     last_use = _last_use(actions)
     held, max_versions = set(), 1  # versions older than `newest` still needed
     for i, a in enumerate(actions):
-        k = getattr(a, "microbatch", None)
         if isinstance(a, Forward):
-            if k in fwd:
-                _fail(s, i, a, f"microbatch {k} is forwarded twice")
-            if s > 0 and k not in recv_act:
-                _fail(s, i, a, f"Forward of microbatch {k} before its input arrived: "
-                               f"RecvActivation(microbatch={k}, peer={s - 1}) is missing before it")
-            if not 0 <= a.version <= newest:
-                _fail(s, i, a, f"uses version {a.version}, but only versions 0..{newest} exist here "
-                               f"(OptimizerStep({a.version - 1}) has not run on this stage yet)")
-            fwd[k] = a.version
+            _check_forward(st, i, a, newest)
             inflight += 1
             max_inflight = max(max_inflight, inflight)
-        elif isinstance(a, Backward):
-            if k not in fwd:
-                _fail(s, i, a, f"Backward of microbatch {k} before its Forward")
-            if k in bwd:
-                _fail(s, i, a, f"microbatch {k} is backpropagated twice")
-            if a.version != fwd[k]:
-                _fail(s, i, a, f"version mismatch: Backward of microbatch {k} uses version {a.version} "
-                               f"but its Forward used version {fwd[k]}")
-            if s < last and k not in recv_grad:
-                _fail(s, i, a, f"Backward of microbatch {k} before its output gradient arrived: "
-                               f"RecvGrad(microbatch={k}, peer={s + 1}) is missing before it")
-            bwd.add(k)
+        elif isinstance(a, (Backward, BackwardInput)):
+            _check_backward(st, i, a)
             inflight -= 1
+            if isinstance(a, Backward):
+                st.grad_w.add((a.microbatch, a.chunk))
+                pending_grads.append(a.version)
+        elif isinstance(a, BackwardWeight):
+            _check_weight(st, i, a)
             pending_grads.append(a.version)
         elif isinstance(a, OptimizerStep):
             if a.step != newest:
                 _fail(s, i, a, f"expected OptimizerStep({newest}): steps run in order, step t produces version t+1")
+            if st.grad_in - st.grad_w:
+                missing = sorted(k for k, _ in st.grad_in - st.grad_w)
+                _fail(s, i, a, f"optimizer step before the weight gradients of microbatches {missing[:8]}")
             if not pending_grads:
                 _fail(s, i, a, "optimizer step with no backward since the previous step")
             delays |= {a.step - v for v in pending_grads}
@@ -133,46 +222,36 @@ def _check_stage(s: int, actions, last: int) -> _StageStats:
                 held.add(newest)
             newest += 1
         elif is_comm(a):
-            _check_peer(s, i, a, last)
-            if isinstance(a, SendActivation):
-                if k not in fwd:
-                    _fail(s, i, a, f"sends the activation of microbatch {k} before its Forward")
-                if k in sent_act:
-                    _fail(s, i, a, f"activation of microbatch {k} is sent twice")
-                sent_act.add(k)
-            elif isinstance(a, SendGrad):
-                if k not in bwd:
-                    _fail(s, i, a, f"sends the gradient of microbatch {k} before its Backward")
-                if k in sent_grad:
-                    _fail(s, i, a, f"gradient of microbatch {k} is sent twice")
-                sent_grad.add(k)
-            elif isinstance(a, RecvActivation):
-                if k in recv_act:
-                    _fail(s, i, a, f"activation of microbatch {k} is received twice")
-                recv_act.add(k)
-            elif isinstance(a, RecvGrad):
-                if k not in sent_act:
-                    _fail(s, i, a, f"receives the gradient of microbatch {k} before sending its activation")
-                if k in recv_grad:
-                    _fail(s, i, a, f"gradient of microbatch {k} is received twice")
-                recv_grad.add(k)
+            _check_comm(st, i, a)
         else:
             _fail(s, i, a, f"unknown action type {type(a).__name__}")
         held = {v for v in held if last_use[v] > i}
         max_versions = max(max_versions, 1 + len(held))
+    _check_end(st, pending_grads)
+    forwards = {k for k, _ in st.fwd}
+    return _StageStats(forwards, newest, max_versions, max_inflight, delays)
 
-    for k in sorted(fwd.keys() - bwd):
-        _fail(s, None, None, f"microbatch {k} is forwarded but never backpropagated")
-    if s < last and fwd.keys() - sent_act:
-        _fail(s, None, None, f"activations of microbatches {sorted(fwd.keys() - sent_act)} are never "
-                             f"sent to stage {s + 1}")
-    if s > 0 and bwd - sent_grad:
-        _fail(s, None, None, f"gradients of microbatches {sorted(bwd - sent_grad)} are never sent to stage {s - 1}")
-    if recv_act - fwd.keys():
-        _fail(s, None, None, f"activations of microbatches {sorted(recv_act - fwd.keys())} are received, never used")
+
+def _check_end(st: _Stage, pending_grads) -> None:
+    s = st.s
+    for key in sorted(st.fwd.keys() - st.grad_in):
+        _fail(s, None, None, f"microbatch {key[0]} is forwarded but never backpropagated")
+    for key in sorted(st.grad_in - st.grad_w):
+        _fail(s, None, None, f"the weight gradient of microbatch {key[0]} is never computed")
+    for done, sent, step, what in ((st.fwd.keys(), st.sent_act, +1, "activations"),
+                                   (st.grad_in, st.sent_grad, -1, "gradients")):
+        unsent = {}
+        for k, c in done - sent:
+            other = st.local(c, step)
+            if other and other[0] == "remote":
+                unsent.setdefault(other[1], []).append(k)
+        for peer, ks in sorted(unsent.items()):
+            _fail(s, None, None, f"{what} of microbatches {sorted(ks)} are never sent to stage {peer}")
+    if st.recv_act - st.fwd.keys():
+        _fail(s, None, None, f"activations of microbatches {sorted(k for k, _ in st.recv_act - st.fwd.keys())} "
+                             "are received, never used")
     if pending_grads:
         _fail(s, None, None, "gradients of the last backwards are never applied (no OptimizerStep after them)")
-    return _StageStats(set(fwd), newest, max_versions, max_inflight, delays)
 
 
 def _check_across(stats: list[_StageStats]) -> None:
@@ -207,10 +286,15 @@ def check_deadlock_free(schedule: Schedule, mode: str = "blocking") -> None:
 
     mode "blocking": one send/recv at a time, each completes only with its match.
     mode "batched": a run of adjacent send/recv actions is posted at once and waited
-    on together. Messages match in order per (sender, receiver) direction.
+    on together. mode "buffered": a send completes when posted, a receive once its
+    send was posted (the lists of multi-chunk schedules, see `gen_common`).
+    Messages match in order per (sender, receiver) direction.
     """
+    if mode == "buffered":
+        return _check_buffered(schedule)
     if mode not in ("blocking", "batched"):
-        raise ValueError(f"mode must be 'blocking' or 'batched', got {mode!r}")
+        raise ValueError(f"mode must be 'blocking', 'batched' or 'buffered', got {mode!r}")
+    placement = placement_of(schedule)
     lists = [list(acts) for acts in schedule]
     ptr = [0] * len(lists)
     done = [set() for _ in lists]
@@ -231,7 +315,7 @@ def check_deadlock_free(schedule: Schedule, mode: str = "blocking") -> None:
                 if j is None:
                     continue
                 b = lists[q][j]
-                if b.microbatch != a.microbatch:
+                if tensor_key(b, q, placement) != tensor_key(a, s, placement):
                     _fail(s, i, a, f"is matched by stage {q}, action {j} ({b!r}): the two stages "
                                    f"exchange microbatches in a different order")
                 done[s].add(i)
@@ -254,13 +338,45 @@ def check_deadlock_free(schedule: Schedule, mode: str = "blocking") -> None:
         _fail(s, i, a, f"deadlock: never matched by stage {a.peer} ({others})")
 
 
-def validate(schedule: Schedule, mode: str = "blocking") -> ScheduleReport:
+def _check_buffered(schedule: Schedule) -> None:
+    placement = placement_of(schedule)
+    lists = [list(acts) for acts in schedule]
+    ptr = [0] * len(lists)
+    posted: dict[tuple, list] = {}  # (sender, receiver, send type) -> keys not yet received
+    progress = True
+    while progress:
+        progress = False
+        for s, acts in enumerate(lists):
+            while ptr[s] < len(acts):
+                a = acts[ptr[s]]
+                if is_comm(a) and type(a) in (SendActivation, SendGrad):
+                    posted.setdefault((s, a.peer, type(a)), []).append(tensor_key(a, s, placement))
+                elif is_comm(a):
+                    channel = posted.get((a.peer, s, MATCHING[type(a)]))
+                    if not channel:
+                        break
+                    if channel[0] != tensor_key(a, s, placement):
+                        _fail(s, ptr[s], a, f"receives {channel[0]} first from stage {a.peer}: the two stages "
+                                            "exchange microbatches in a different order")
+                    channel.pop(0)
+                ptr[s] += 1
+                progress = True
+    for s, acts in enumerate(lists):
+        if ptr[s] < len(acts):
+            _fail(s, ptr[s], acts[ptr[s]], f"deadlock: stage {acts[ptr[s]].peer} never sends it")
+
+
+def validate(schedule: Schedule, mode: str | None = None) -> ScheduleReport:
     """Check `schedule` (one action list per stage); return its memory/delay report."""
     if not schedule:
         raise ScheduleError("a schedule needs at least one stage")
-    last = len(schedule) - 1
-    stats = [_check_stage(s, acts, last) for s, acts in enumerate(schedule)]
+    placement = placement_of(schedule)
+    if placement.num_stages != len(schedule):
+        raise ScheduleError(f"the placement has {placement.num_stages} stages, the schedule {len(schedule)} lists")
+    stats = [_check_stage(s, acts, placement) for s, acts in enumerate(schedule)]
     _check_across(stats)
+    if mode is None:
+        mode = "buffered" if getattr(schedule, "buffered_sends", False) else "blocking"
     check_deadlock_free(schedule, mode)
     return ScheduleReport(
         num_stages=len(schedule),
