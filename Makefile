@@ -27,7 +27,7 @@ demo: setup
 
 # Benchmarks (minutes to an hour on 2 cores; results and commands in docs/benchmarks.md)
 bench: setup
-	$(PY) -m bench.pipeline_throughput --json out/bench/pipeline_throughput.json --plot-dir out/bench
+	$(PY) -m bench.pipeline_throughput --json out/bench/pipeline_throughput.json
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

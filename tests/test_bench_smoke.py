@@ -1,4 +1,5 @@
-"""The benchmarks run end to end (--quick: pipeline throughput in both harnesses, soak, schedule start-up).
+"""The benchmarks run end to end (--quick: pipeline throughput with its cost-model prediction, soak,
+schedule start-up, the GPU projection).
 
 Only that it completes and reports every configuration: timings on a shared CI
 machine say nothing about speed, so none are asserted.
@@ -12,22 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-from bench import pipeline_throughput as bench  # noqa: E402
-
-
-def test_quick_benchmark_reports_every_config(tmp_path):
-    out = tmp_path / "bench.json"
-    bench.main(["--quick", "--json", str(out)])
-    results = json.loads(out.read_text())
-    assert set(results["configs"]) == {name for name, *_ in bench.CONFIGS}
-    for name, config in results["configs"].items():
-        for key in ("s_per_microbatch", "simulated_s_per_microbatch"):
-            assert math.isfinite(config[key]) and config[key] > 0, (name, key, config[key])
-    for stages in results["stage_times"].values():
-        assert all(t["fwd"] > 0 and t["bwd"] > 0 for t in stages)
-    assert set(results["ratios"]) and all(v > 0 for v in results["ratios"].values())
-
 
 def test_quick_soak_reports_pace_memory_and_bounded_sends(tmp_path, small_corpus):
     from bench import soak
@@ -53,11 +38,25 @@ def test_quick_schedule_startup_reports_both_ways(tmp_path):
         assert all(row[k] > 0 for k in ("whole_s", "whole_mb", "streamed_s", "streamed_mb")), row
 
 
-def test_quick_megatron_throughput_reports_an_efficiency(tmp_path):
-    from bench import megatron_throughput
+def test_quick_pipeline_throughput_reports_efficiency_and_prediction(tmp_path):
+    from bench import pipeline_throughput
 
     out = tmp_path / "throughput.json"
-    result = megatron_throughput.main(["--quick", "--json", str(out)])
+    result = pipeline_throughput.main(["--quick", "--json", str(out)])
     assert set(result["s_per_microbatch"]) == {"pp1_m4", "2bw_m4"}
     assert all(t > 0 for t in result["s_per_microbatch"].values())
     assert json.loads(out.read_text())["efficiency"]["2bw_m4"] > 0
+    assert set(result["predicted"]) == {"pp1_m4", "2bw_m4"}
+    assert all(math.isfinite(t) and t > 0 for t in result["predicted"].values())
+    for stages in result["stage_costs"].values():
+        assert all(s["fwd"] > 0 and s["bwd"] > 0 for s in stages)
+
+
+def test_projection_reports_every_schedule_and_layout(tmp_path):
+    from bench import project
+
+    result = project.main(["--json", str(tmp_path / "project.json")])
+    rows = [r for r in result["rows"] if "efficiency" in r]
+    assert {(r["schedule"], r["pp"]) for r in rows} >= {("1f1b", 4), ("2bw", 16), ("interleaved-1f1b", 8)}
+    assert all(0 < r["efficiency"] <= 1 and r["tokens_per_s_per_gpu"] > 0 for r in rows)
+    assert set(result["assumptions"]) >= {"peak_flops", "mfu", "ib_bytes_s", "optimizer"}
