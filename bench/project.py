@@ -230,6 +230,37 @@ def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: in
     return rows
 
 
+def zbv_region(fwd: float, bwd: float, opt: float, p2p: float, split_overhead: float,
+               pps=(2, 3, 4, 6, 8, 12, 16)) -> list[dict]:
+    """2BW against ZB-V for p stages and m = p..4p, on a model whose whole forward,
+    backward and optimizer step cost `fwd`, `bwd`, `opt` (measured at PP=1), split
+    evenly over the stages (balanced: the output layer's extra work is left out for
+    both). ZB-V's split backward costs (1 + split_overhead) x the plain one, its two
+    halves equal; it flushes with a step collective, 2BW steps per stage."""
+    rows = []
+    for pp in pps:
+        f, b, o = fwd / pp, bwd / pp, opt / pp
+        costs = StageCosts([f] * pp, [b] * pp, [o] * pp, p2p=p2p, sync=0.0)
+        for m in sorted({pp, 2 * pp - 1, 2 * pp, 3 * pp, 4 * pp}):
+            two = 1.0 / simulate(generate("2bw", pp, m, SIM_BATCHES), fwd=costs.fwd, bwd=costs.bwd,
+                                 opt=costs.opt, p2p=p2p).throughput
+            half = b * (1 + split_overhead) / 4  # per piece (two per stage), per half
+            zbv = 1.0 / simulate(generate("zbv", pp, m, SIM_BATCHES), fwd=f / 2, bwd=2 * half, bwd_input=half,
+                                 bwd_weight=half, opt=o, p2p=p2p, sync_at_step=True).throughput
+            ideal = (fwd + bwd + opt / m) / pp
+            rows.append(dict(pp=pp, m=m, two_bw=two, zbv=zbv, speedup=zbv / two,
+                             two_bw_efficiency=ideal / two, zbv_efficiency=ideal / zbv))
+    return rows
+
+
+def region_report(rows: list[dict]) -> str:
+    lines = ["| p | m | 2BW efficiency | ZB-V efficiency | 2BW speed-up over ZB-V |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['pp']} | {r['m']} | {100 * r['two_bw_efficiency']:.1f}% | "
+                     f"{100 * r['zbv_efficiency']:.1f}% | {r['speedup']:.3f}x |")
+    return "\n".join(lines)
+
+
 def report(rows: list[dict]) -> str:
     lines = ["| p | m | GPUs | 1F1B tok/s/GPU | interleaved | 2BW | 2BW / 1F1B | 2BW / interleaved |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -275,7 +306,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--optimizer", choices=("muon", "adam"), default="muon")
     ap.add_argument("--json")
     ap.add_argument("--plot")
+    ap.add_argument("--region", metavar="THROUGHPUT_JSON",
+                    help="2BW vs ZB-V for p = 2..16 from the PP=1 costs measured by bench/pipeline_throughput.py")
+    ap.add_argument("--split-overhead", type=float, default=0.04,
+                    help="extra cost of a split backward (bench/torch_pipelining.py measures it)")
     args = ap.parse_args(argv)
+    if args.region:
+        one = json.loads(Path(args.region).read_text())["stage_costs"]["pp1"][0]
+        p2p = json.loads(Path(args.region).read_text())["stage_costs"]["pp2"][0].get("p2p", 0.0)
+        rows = zbv_region(one["fwd"], one["bwd"], one["opt"], p2p, args.split_overhead)
+        print(region_report(rows))
+        result = {"costs": {**one, "p2p": p2p}, "split_overhead": args.split_overhead, "rows": rows}
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
     cluster = Cluster(**{**asdict(H100), "mfu": args.mfu})
     rows = project(MOE_10B, cluster, optimizer=args.optimizer)
     result = {"model": asdict(MOE_10B), "cluster": asdict(cluster), "assumptions": ASSUMPTIONS,
