@@ -60,3 +60,18 @@ def test_projection_reports_every_schedule_and_layout(tmp_path):
     assert {(r["schedule"], r["pp"]) for r in rows} >= {("1f1b", 4), ("2bw", 16), ("interleaved-1f1b", 8)}
     assert all(0 < r["efficiency"] <= 1 and r["tokens_per_s_per_gpu"] > 0 for r in rows)
     assert set(result["assumptions"]) >= {"peak_flops", "mfu", "ib_bytes_s", "optimizer"}
+
+
+def test_quick_optimizer_cost_splits_newton_schulz_between_ranks(tmp_path):
+    """With the layer-wise distributed optimizer each matrix is orthogonalised once, by
+    one rank: the ranks' calls add up to what every rank does without it."""
+    from bench import optimizer_cost
+
+    rows = optimizer_cost.main(["--quick", "--json", str(tmp_path / "opt.json")])["rows"]
+    assert all(r["step_s"] > 0 and r["fwd_bwd_s"] > 0 for r in rows.values())
+    assert rows["adamw"]["ns_calls_per_rank"] == [0, 0]
+    for plain, split in (("muon", "muon_distopt"), ("muon_ef", "muon_ef_distopt")):
+        everyone = rows[plain]["ns_calls_per_rank"]
+        assert everyone[0] == everyone[1] > 0
+        assert sum(rows[split]["ns_calls_per_rank"]) == everyone[0]
+        assert max(rows[split]["ns_calls_per_rank"]) < everyone[0]
