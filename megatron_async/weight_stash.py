@@ -19,6 +19,13 @@ stages lag by different numbers of steps, as in original PipeDream).
   autograd's version checks.
 - Before a step, the live weights are copied into the slot of the oldest version
   (which no microbatch needs any more); the step then updates the live weights.
+
+Weight prediction (`--delay-correction predict`, depth 1 only): microbatches run at
+a prediction of the weights one step ahead instead of at a stored version: version
+v stands for P(v) = W(v) + alpha * (W(v) - W(v-1)), the last update applied once
+more (PipeMare, SpecTrain). No microbatch then runs at the live weights, so two
+slots hold P(v-1) and P(v); each step writes the new prediction into the slot of
+the one no microbatch needs any more: one weight copy more than 2BW.
 """
 
 from __future__ import annotations
@@ -34,27 +41,34 @@ Version = Union[int, tuple[int, ...]]  # one version for every parameter, or one
 class WeightStashManager:
     """The live version plus `depth` stashed versions of one stage's parameters."""
 
-    def __init__(self, model_chunks, depth: int = 1):
+    def __init__(self, model_chunks, depth: int = 1, predict: float | None = None):
         if depth < 1:
             raise ValueError("a weight stash needs depth >= 1 (depth 0 is plain training)")
+        if predict is not None and depth != 1:
+            raise ValueError("weight prediction is defined for a one-step delay (depth 1)")
+        self.predict = predict  # alpha of the weight prediction, None: stored versions
+        self.slots = depth if predict is None else 2
         self.depth = depth
         self.newest = 0  # version held by the live weights
         self.params: list[torch.nn.Parameter] = []
         self._live: list[torch.Tensor] = []  # each param's live storage (DDP's views)
-        self._slots: list[list[torch.Tensor]] = [[] for _ in range(depth)]  # flat buffers per slot
-        self._slot_views: list[list[torch.Tensor]] = [[] for _ in range(depth)]
-        self._slot_version: list[int] = [0] * depth
+        self._slots: list[list[torch.Tensor]] = [[] for _ in range(self.slots)]  # flat buffers per slot
+        self._slot_views: list[list[torch.Tensor]] = [[] for _ in range(self.slots)]
+        self._slot_version: list[int] = [0] * self.slots
         self._index = {}
         for chunk in model_chunks:
             for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
                 self._add_buffer(buffer)
         self._pointed = self.newest
         self.copy_live_into_stash(all_slots=True)
+        if predict is not None:
+            self._slot_version = [0, -1]  # P(0) = W(0); the other slot is free
+            self._pointed = None  # the live weights are no version's forward storage
 
     def _add_buffer(self, buffer) -> None:
         dtype = buffer.param_dtype
         numel = buffer.numel
-        flats = [torch.zeros(numel, dtype=dtype, device=buffer.grad_data.device) for _ in range(self.depth)]
+        flats = [torch.zeros(numel, dtype=dtype, device=buffer.grad_data.device) for _ in range(self.slots)]
         for slot, flat in enumerate(flats):
             self._slots[slot].append(flat)
         for param, (start, end, _bucket) in buffer.param_index_map.items():
@@ -66,7 +80,7 @@ class WeightStashManager:
 
     # --- versions -------------------------------------------------------------
     def _storage(self, version: int) -> list[torch.Tensor]:
-        if version == self.newest:
+        if version == self.newest and self.predict is None:
             return self._live
         for slot, held in enumerate(self._slot_version):
             if held == version:
@@ -134,20 +148,35 @@ class WeightStashManager:
     @torch.no_grad()
     def copy_live_into_stash(self, all_slots: bool = False) -> None:
         """Save the live weights (version `newest`) over the oldest stashed version."""
-        slots = range(self.depth) if all_slots else [min(range(self.depth), key=self._slot_version.__getitem__)]
+        slots = range(self.slots) if all_slots else [self._oldest_slot()]
         for slot in slots:
             for dst, src in zip(self._slot_views[slot], self._live):
                 dst.copy_(src)
             self._slot_version[slot] = self.newest
 
+    def _oldest_slot(self) -> int:
+        return min(range(self.slots), key=self._slot_version.__getitem__)
+
+    def _point_live(self) -> None:
+        for param, data in zip(self.params, self._live):
+            param.data = data
+        self._pointed = None if self.predict is not None else self.newest
+
     @contextlib.contextmanager
     def optimizer_step(self) -> Iterator[None]:
-        """Wrap the optimizer step: stash the live version, step on it, bump `newest`."""
+        """Wrap the optimizer step: stash the live version, step on it, bump `newest`
+        (with prediction: then turn the stashed W(v) into P(v+1) = W(v+1) + alpha (W(v+1) - W(v)))."""
+        slot = self._oldest_slot()
         self.copy_live_into_stash()
-        self.point_to(self.newest)
+        self._point_live()
         yield
         self.newest += 1
-        self._pointed = self.newest
+        if self.predict is not None:
+            with torch.no_grad():
+                for old, live in zip(self._slot_views[slot], self._live):
+                    old.sub_(live).mul_(-self.predict).add_(live)  # live + alpha (live - old)
+            self._slot_version[slot] = self.newest
+        self._pointed = None if self.predict is not None else self.newest
 
     @torch.no_grad()
     def start_equal_at(self, step: int) -> None:
@@ -157,13 +186,15 @@ class WeightStashManager:
         self.newest = step
         self.copy_live_into_stash(all_slots=True)
         self._slot_version = [max(step - 1 - slot, 0) for slot in range(self.depth)]
+        if self.predict is not None:  # P(step - 1) = P(step) = W(step): no update history
+            self._slot_version = [step - 1, step] if step > 0 else [0, -1]
         self._pointed = None
-        self.point_to(self.newest)
+        self._point_live()
 
     # --- accounting and checkpoints --------------------------------------------
     def num_weight_buffers(self) -> int:
         """Distinct weight versions in memory: the live one plus the stash slots."""
-        return 1 + self.depth
+        return 1 + self.slots
 
     def stash_bytes(self) -> int:
         return sum(flat.numel() * flat.element_size() for slot in self._slots for flat in slot)
@@ -180,10 +211,13 @@ class WeightStashManager:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        if len(state["slots"]) != self.slots:
+            raise ValueError(f"the checkpoint's weight stash has {len(state['slots'])} slots, this run needs "
+                             f"{self.slots} (--delay-correction predict keeps two predictions, 2bw one version)")
         self.newest = state["newest"]
         self._slot_version = list(state["slot_version"])
         for slot, flats in zip(self._slots, state["slots"]):
             for dst, src in zip(slot, flats):
                 dst.copy_(src)
         self._pointed = None
-        self.point_to(self.newest)
+        self._point_live()

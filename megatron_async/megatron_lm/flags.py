@@ -32,9 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--clip-grad-mode", default="stage-local", choices=["stage-local", "stale-global"],
                    help="2bw: stage-local clips each stage by its own gradient norm; stale-global clips step t by "
                         "the global norm of step t-1, from a non-blocking all-reduce started at step t-1")
-    g.add_argument("--delay-correction", default="none", choices=["none", "ef"],
-                   help="ef: apply D_t + lambda (D_t - D_{t-1}) instead of the optimizer's update D_t")
+    g.add_argument("--delay-correction", default="none", choices=["none", "ef", "dc-asgd", "predict"],
+                   help="ef: apply D_t + lambda (D_t - D_{t-1}) instead of the optimizer's update D_t; dc-asgd: "
+                        "g + lambda_t g*g*D_{t-1} (delay compensation); predict: run microbatches at "
+                        "W + alpha (W - W_prev) (docs/delay_correction.md)")
     g.add_argument("--ef-lambda", type=float, default=1.0, help="lambda of --delay-correction ef")
+    g.add_argument("--dc-lambda", type=float, default=1.0,
+                   help="lambda_0 of --delay-correction dc-asgd (lambda_t = lambda_0 / sqrt(mean square of g))")
+    g.add_argument("--prediction-alpha", type=float, default=1.0,
+                   help="alpha of --delay-correction predict (1: the last update applied once more)")
     g.add_argument("--layout-invariant-init", action="store_true",
                    help="seed every weight by --seed and its global name, so any TP/PP/EP layout starts equal")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
@@ -100,6 +106,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.simulated_pipeline_stages is None:
         args.simulated_pipeline_stages = len(delays) if len(delays) > 1 else 1
     _check_simulated_delay(args, delays)
+    _check_delay_correction(args, delays)
     _check_optimizer(args)
     _check_data(args)
     _require(args.clip_grad_mode == "stage-local" or args.pipeline_schedule == "2bw",
@@ -140,6 +147,22 @@ def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
         _require(args.num_layers % stages == 0,
                  f"--num-layers ({args.num_layers}) is not divisible by the {stages} stages of "
                  "--simulated-pipeline-stages / --simulated-delay")
+
+
+def _check_delay_correction(args: argparse.Namespace, delays: tuple) -> None:
+    """A correction needs a delay to correct, and dc-asgd / predict model exactly one step."""
+    name = args.delay_correction
+    if name == "none":
+        return
+    delayed = args.pipeline_schedule == "2bw" or args.simulated_delay > 0
+    _require(delayed, f"--delay-correction {name} needs a delayed gradient: --pipeline-schedule 2bw or "
+                      "--simulated-delay")
+    if name in ("dc-asgd", "predict"):
+        _require(args.pipeline_schedule == "2bw" or set(delays) == {1},
+                 f"--delay-correction {name} models a one-step delay (2bw, --simulated-delay 1); "
+                 f"got --simulated-delay {','.join(map(str, delays))}")
+    _require(args.dc_lambda >= 0.0, f"--dc-lambda must be >= 0 (got {args.dc_lambda})")
+    _require(args.prediction_alpha >= 0.0, f"--prediction-alpha must be >= 0 (got {args.prediction_alpha})")
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:

@@ -92,10 +92,11 @@ def wrap_optimizer(model, optimizer):
     if two_bw:
         make_stage_local(optimizer, args.use_distributed_optimizer)
     resumed = saved_contents(args) if args.load else {}
-    if args.delay_correction == "ef":
-        from megatron_async.delay_correction import ErrorFeedbackOptimizer
+    if args.delay_correction in ("ef", "dc-asgd"):
+        from megatron_async.delay_correction import DelayCorrectedOptimizer
 
-        optimizer = ErrorFeedbackOptimizer(optimizer, ef_lambda=args.ef_lambda)
+        optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
+                                            dc_lambda=args.dc_lambda)
         optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction"))
     if two_bw and args.clip_grad_mode == "stale-global":
         from megatron_async.pipeline.p2p import duplicate_pipeline_group
@@ -103,7 +104,8 @@ def wrap_optimizer(model, optimizer):
 
         STATE.stale_norm = StaleGlobalNorm(duplicate_pipeline_group(), next(model[0].parameters()).device)
     # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
-    STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1))
+    predict = args.prediction_alpha if args.delay_correction == "predict" else None
+    STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1), predict=predict)
     return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)),
                                 load_stale_norm=bool(resumed.get(STALE_NORM_KEY)))
 
@@ -115,7 +117,7 @@ def saved_contents_marker() -> dict:
     args = get_args()
     if STATE.stash is None:
         return {}
-    return {STASH_KEY: True, "delay_correction": args.delay_correction == "ef",
+    return {STASH_KEY: True, "delay_correction": args.delay_correction in ("ef", "dc-asgd"),
             STALE_NORM_KEY: STATE.stale_norm is not None,
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay}
 

@@ -56,6 +56,7 @@ class TinyGPT:
     clip_stages: int = 1  # PP=1 only: clip like a pipeline of this many stages (stage-local norms)
     clip_grad_mode: str = "stage-local"  # 2bw: or "stale-global"
     planned_iterations: Optional[int] = None  # 2bw: the run planned this many and stops early (--exit-interval)
+    weight_prediction: Optional[float] = None  # run microbatches at W + alpha (W - W_prev) (one-step delay only)
     extra_optimizer_config: dict = field(default_factory=dict)
 
     def dp(self, world_size: int) -> int:
@@ -219,6 +220,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
             dtype=torch.float32, forward_step_func=gpt_forward_step,
             get_microbatch=microbatch_getter(spec, num_micro),
             clip_grad_mode=spec.clip_grad_mode,
+            stash=WeightStashManager(model, depth=1, predict=spec.weight_prediction),
         )
         for iteration in range(iterations):
             reports, (update_ok, _norm, _) = runner.train_step(iteration)
@@ -237,7 +239,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
 
     forward_backward = get_forward_backward_func(schedule)
     delays = spec.stage_delays or (spec.simulated_delay,)
-    stash = WeightStashManager(model, depth=max(delays)) if max(delays) else None
+    stash = WeightStashManager(model, depth=max(delays), predict=spec.weight_prediction) if max(delays) else None
     version = version_for_step(model, stash, delays, spec.num_layers) if stash else None
     for iteration in range(iterations):
         for chunk in model:

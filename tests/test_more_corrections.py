@@ -1,0 +1,155 @@
+"""`--delay-correction dc-asgd` and `--delay-correction predict` (docs/delay_correction.md).
+
+- DC-ASGD's rule on a torch optimizer whose updates are known in closed form (float64,
+  1e-12); lambda_0 = 0 is bitwise the plain optimizer on Megatron (negative control:
+  lambda_0 = 1 is not); 2bw at PP=2 with it equals its PP=1 one-step-delay twin
+  (1e-6, as tests/test_two_bw.py);
+- weight prediction: the stash holds P(v) = W(v) + alpha (W(v) - W(v-1)) for the
+  versions microbatches use (checked against weights set by hand); alpha = 0 is
+  bitwise plain one-step delay (negative control: alpha = 1 is not); 2bw at PP=2
+  equals its PP=1 twin (1e-6).
+"""
+
+import pytest
+import torch
+
+from megatron_async.delay_correction import DC_BETA, DC_EPS, DelayCorrectedOptimizer
+from megatron_async.testing.multiprocess import run_distributed
+from megatron_async.testing.tiny_gpt import TinyGPT
+
+STEPS = 8
+COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
+
+
+def dc_train_entry(rank, world_size, spec, iterations, dc_lambda):
+    """tiny_gpt.train with the optimizer wrapped in DC-ASGD (patched in this rank's process only)."""
+    from megatron_async.testing import tiny_gpt
+
+    plain = tiny_gpt.get_megatron_optimizer
+    if dc_lambda is not None:
+        tiny_gpt.get_megatron_optimizer = lambda config, model: DelayCorrectedOptimizer(
+            plain(config, model), rule="dc-asgd", dc_lambda=dc_lambda)
+    return tiny_gpt.train(spec, iterations, rank, world_size)
+
+
+def _assert_same(ref, results, rtol=1e-6, atol=1e-6, exact=False):
+    losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
+    if exact:
+        assert losses == ref["losses"]
+    else:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=rtol, atol=0.0)
+    seen = set()
+    for r in results:
+        for name, value in r["params"].items():
+            if exact:
+                assert torch.equal(value, ref["params"][name]), f"rank {r['rank']} {name} differs"
+            else:
+                torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol)
+            seen.add(name)
+    assert seen == set(ref["params"])
+
+
+# --- DC-ASGD ---------------------------------------------------------------------------
+
+class _OneTorchOptimizer:
+    def __init__(self, opt):
+        self.optimizer = opt
+
+    def step(self):
+        self.optimizer.step()
+        return True, None, None
+
+
+def test_dc_asgd_rule_on_known_updates():
+    """SGD (lr 0.1, no momentum) with gradients that do not depend on w: D_t = -0.1 g~_t and
+    g~_t = g_t + lambda g_t^2 D_{t-1} / sqrt(ms_t), ms the mean square, by recurrence here."""
+    grads = [torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(t)) for t in range(6)]
+    lam = 0.7
+    w = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    opt = DelayCorrectedOptimizer(_OneTorchOptimizer(torch.optim.SGD([w], lr=0.1)), rule="dc-asgd", dc_lambda=lam)
+    expected, prev, ms = torch.zeros(4, 3, dtype=torch.float64), None, None
+    for g in grads:
+        w.grad = g.clone()
+        assert opt.step()[0]
+        ms = g * g if ms is None else ms
+        ms = DC_BETA * ms + (1 - DC_BETA) * g * g
+        corrected = g if prev is None else g + lam * g * g * prev / (ms.sqrt() + DC_EPS)
+        prev = -0.1 * corrected
+        expected += prev
+    torch.testing.assert_close(w.detach(), expected, rtol=1e-12, atol=1e-12)
+    assert opt.delay_correction.buffer_bytes() == 2 * w.numel() * w.element_size()
+
+
+def test_dc_asgd_lambda_zero_is_bitwise_the_plain_optimizer():
+    spec = TinyGPT(simulated_delay=1, **COMMON)
+    (plain,) = run_distributed(dc_train_entry, 1, spec, STEPS, None)
+    (zero,) = run_distributed(dc_train_entry, 1, spec, STEPS, 0.0)
+    _assert_same(plain, [zero], exact=True)
+    (one,) = run_distributed(dc_train_entry, 1, spec, STEPS, 1.0)
+    with pytest.raises(AssertionError):
+        _assert_same(plain, [one])
+
+
+def test_2bw_with_dc_asgd_equals_simulated_delay_with_dc_asgd():
+    (ref,) = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **COMMON), STEPS, 1.0)
+    results = run_distributed(dc_train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), STEPS, 1.0)
+    _assert_same(ref, results)
+
+
+# --- weight prediction ---------------------------------------------------------------------
+
+def prediction_rule_entry(rank, world_size, alpha):
+    """Set the live weights by hand around two steps; return what the stash holds."""
+    from megatron_async.testing.tiny_gpt import build
+    from megatron_async.weight_stash import WeightStashManager
+
+    model, _, _ = build(TinyGPT(**COMMON))
+    stash = WeightStashManager(model, depth=1, predict=alpha)
+    first = stash.params[0]
+    w0 = first.detach().clone()
+    seen = {}
+    for step, delta in ((0, 1.0), (1, 2.0)):
+        with stash.optimizer_step():
+            for p in stash.params:
+                p.data.add_(delta)
+        for version in stash.versions_held():
+            stash.point_to(version)
+            seen[(step, version)] = first.detach().clone() - w0
+    stash.point_to(2)
+    return {"seen": seen, "weight_buffers": stash.num_weight_buffers()}
+
+
+def test_prediction_stash_holds_the_predicted_weights():
+    (out,) = run_distributed(prediction_rule_entry, 1, 0.5)
+    seen = {k: v.flatten()[0].item() for k, v in out["seen"].items()}
+    # W0, W1 = W0 + 1, W2 = W0 + 3; P(v) = W(v) + 0.5 (W(v) - W(v-1)), P(0) = W0
+    assert seen[(0, 0)] == pytest.approx(0.0) and seen[(0, 1)] == pytest.approx(1.5)
+    assert seen[(1, 1)] == pytest.approx(1.5) and seen[(1, 2)] == pytest.approx(3.0 + 1.0)
+    assert (1, 0) not in seen  # P(0) is no longer needed after step 1
+    assert out["weight_buffers"] == 3  # live + two predictions
+
+
+@pytest.mark.parametrize("schedule", ["simulated", "2bw"])
+def test_prediction_alpha_zero_is_bitwise_plain_delay(schedule):
+    layout = dict(simulated_delay=1) if schedule == "simulated" else dict(pp=2, schedule="2bw")
+    world = 1 if schedule == "simulated" else 2
+    plain = run_distributed(dc_train_entry, world, TinyGPT(**layout, **COMMON), STEPS, None)
+    zero = run_distributed(dc_train_entry, world, TinyGPT(**layout, weight_prediction=0.0, **COMMON), STEPS, None)
+    _assert_same(_merged(plain), zero, exact=True)
+    one = run_distributed(dc_train_entry, world, TinyGPT(**layout, weight_prediction=1.0, **COMMON), STEPS, None)
+    with pytest.raises(AssertionError):
+        _assert_same(_merged(plain), one)
+
+
+def test_2bw_with_prediction_equals_simulated_delay_with_prediction():
+    spec = dict(weight_prediction=1.0, **COMMON)
+    (ref,) = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **spec), STEPS, None)
+    results = run_distributed(dc_train_entry, 2, TinyGPT(pp=2, schedule="2bw", **spec), STEPS, None)
+    _assert_same(ref, results)
+
+
+def _merged(results: list[dict]) -> dict:
+    """One reference out of the ranks of a pipeline: the last stage's losses, every weight."""
+    losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
+    params = {name: value for r in results for name, value in r["params"].items()}
+    return {"losses": losses, "params": params}
