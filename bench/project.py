@@ -211,14 +211,18 @@ def predict_cpu(stages: dict, configs: list[tuple]) -> dict[str, float]:
     return out
 
 
+CONFIGURED_M = 64  # examples/moe_10b/flags.sh: global batch 512 / (micro-batch 1 x DP 8)
+
+
 def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: int = 1,
             optimizer: str = "muon") -> list[dict]:
-    """Tokens/s per GPU and bubble for each (schedule, p, m), m = p, 2p, 4p."""
+    """Tokens/s per GPU and bubble for each (schedule, p, m), m = p, 2p, 4p and the
+    configuration's own m = 64."""
     rows = []
     for pp in pps:
         costs = gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer)
         ideal = (sum(costs.fwd) + sum(costs.bwd)) / pp  # perfectly balanced, no bubble, free step
-        for m in (pp, 2 * pp, 4 * pp):
+        for m in sorted({pp, 2 * pp, 4 * pp, CONFIGURED_M}):
             for schedule in ("1f1b", "interleaved-1f1b", "2bw"):
                 if schedule == "interleaved-1f1b" and min(costs.detail["layers_per_stage"]) < 2:
                     rows.append(dict(schedule=schedule, pp=pp, m=m, note="needs 2 layers per stage"))
