@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench.results import emit
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the rank function must import as bench.optimizer_cost
@@ -139,11 +140,7 @@ def main(argv=None) -> dict:
               "dp": 2, "microbatches_per_rank": 4, "iters": iters, "repeats": repeats,
               "command": "python -m bench.optimizer_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rows": rows}
-    print(report(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+    return emit(result, report(result), args.json)
 
 
 def report(r: dict) -> str:

@@ -33,6 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.results import emit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # (name, pipeline stages, microbatches per batch, extra flags)
@@ -153,11 +155,7 @@ def main(argv=None) -> dict:
         "efficiency": {name: bound / t for name, t in median.items() if name != "pp1_m4"},
         **predicted(model, configs, stage_samples),
     }
-    print(report(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+    return emit(result, report(result), args.json)
 
 
 def report(r: dict) -> str:

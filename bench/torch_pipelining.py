@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import platform
 import queue
@@ -46,13 +45,14 @@ import sys
 import tempfile
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from bench.results import emit
 
 # (name, schedule, microbatches per batch)
 CONFIGS = [
@@ -438,11 +438,7 @@ def main(argv=None) -> dict:
         "split_backward_overhead": split["overhead_autograd_grad"],
         "split_backward": split,
     }
-    print(report(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+    return emit(result, report(result), args.json)
 
 
 def report(r: dict) -> str:

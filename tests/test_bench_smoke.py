@@ -75,3 +75,12 @@ def test_quick_optimizer_cost_splits_newton_schulz_between_ranks(tmp_path):
         assert everyone[0] == everyone[1] > 0
         assert sum(rows[split]["ns_calls_per_rank"]) == everyone[0]
         assert max(rows[split]["ns_calls_per_rank"]) < everyone[0]
+
+
+def test_quick_torch_pipelining_reports_its_schedules(tmp_path):
+    from bench import torch_pipelining
+
+    result = torch_pipelining.main(["--quick", "--json", str(tmp_path / "tp.json")])
+    assert set(result["s_per_microbatch"]) == {"pp1_m4", "1f1b_m4", "zbv_m4"} and not result["errors"]
+    assert all(t > 0 for t in result["s_per_microbatch"].values())
+    assert result["split_backward_overhead"] > -1
