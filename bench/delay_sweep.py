@@ -33,7 +33,7 @@ import sys
 import time
 
 from bench import delay_sweep_report as report
-from bench.sweep_runner import MODES, Model, Run, cell, prepare_dirs, run_all, run_name
+from bench.sweep_runner import DEFAULT_MODES, MODES, Model, Run, cell, prepare_dirs, run_all, run_name
 
 LR_GRID = {
     "adam": [1e-3, 2e-3, 4e-3, 8e-3],
@@ -62,8 +62,10 @@ def summarise(grids, best_lr, results, seeds, search_seeds, modes) -> dict:
                                               for s in search_seeds]) for lr in grid},
                **mode_row(results, {m: [run_name(opt, best_lr[opt], m, s) for s in seeds] for m in modes})}
         gap = row["gap"]
+        row["recovered"] = {m: (row["async"]["mean"] - row[m]["mean"]) / gap if gap else float("nan")
+                            for m in modes if m not in ("sync", "async")}
         if "async+ef" in row:
-            row["ef_recovered"] = (row["async"]["mean"] - row["async+ef"]["mean"]) / gap if gap else float("nan")
+            row["ef_recovered"] = row["recovered"]["async+ef"]
         table[opt] = row
     return table
 
@@ -109,6 +111,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--muon-momenta", default="",
                    help="also run Muon sync and async at these --muon-momentum values (best lr, same seeds); "
                         "the paper links robustness to delay with higher momentum")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"modes at the best lr, comma-separated, from {', '.join(MODES)} (sync and async always)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="adam and muon, sync and async, 20 iterations, 1 seed, fixed lr: a smoke test")
@@ -122,6 +126,9 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--lr: expected OPT=LR,... (e.g. adam=0.002,muon=0.008), got {args.lr!r}")
     if set(args.fixed_lr) - set(LR_GRID):
         p.error(f"--lr: unknown optimizers {sorted(set(args.fixed_lr) - set(LR_GRID))}")
+    args.modes = list(dict.fromkeys(["sync", "async", *args.modes.split(",")]))
+    if set(args.modes) - set(MODES):
+        p.error(f"--modes: unknown {sorted(set(args.modes) - set(MODES))}; choose from {', '.join(MODES)}")
     return args
 
 
@@ -131,7 +138,7 @@ def main(argv=None) -> int:
     model = Model()
     optimizers = args.optimizers.split(",")
     grids = {o: [args.fixed_lr[o]] if o in args.fixed_lr else LR_GRID[o] for o in optimizers}
-    seeds, search_seeds, modes = list(range(args.seeds)), list(range(args.search_seeds)), list(MODES)
+    seeds, search_seeds, modes = list(range(args.seeds)), list(range(args.search_seeds)), args.modes
     if args.quick:
         model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,
                       iters=20, eval_interval=10, eval_iters=2)

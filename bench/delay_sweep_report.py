@@ -9,7 +9,9 @@ from bench.sweep_runner import MUON_MOMENTUM, mean_curve, run_name
 PAPER = {  # Zmushko et al. 2026, SmolLM-360M on FineWeb-Edu, final validation loss
     "muon": {"sync": 2.578, "async": 2.590, "async+ef": 2.583},
 }
-COLORS = {"sync": "tab:blue", "async": "tab:red", "async+ef": "tab:green"}
+COLORS = {"sync": "tab:blue", "async": "tab:red", "async+ef": "tab:green", "async+dc": "tab:purple",
+          "async+predict": "tab:orange"}
+CORRECTIONS = {"async+ef": "EF", "async+dc": "DC-ASGD", "async+predict": "prediction"}
 
 
 def _fmt(cell) -> str:
@@ -17,12 +19,15 @@ def _fmt(cell) -> str:
 
 
 def markdown(table: dict, twins: list[dict]) -> str:
-    lines = ["| optimizer | best lr | sync | async (delay 1) | async + EF | gap async − sync | EF recovers |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    extra = [m for m in CORRECTIONS if any(m in row for row in table.values()) and m != "async+ef"]
+    lines = ["| optimizer | best lr | sync | async (delay 1) | async + EF | gap async − sync | EF recovers |"
+             + "".join(f" async + {CORRECTIONS[m]} | {CORRECTIONS[m]} recovers |" for m in extra),
+             "| --- | --- | --- | --- | --- | --- | --- |" + " --- | --- |" * len(extra)]
     for opt, row in table.items():
         rec = f"{100 * row['ef_recovered']:.0f}%" if "ef_recovered" in row else "–"
+        more = "".join(f" {_fmt(row.get(m))} | {100 * row['recovered'][m]:.0f}% |" for m in extra)
         lines.append(f"| {opt} | {row['best_lr']:g} | {_fmt(row['sync'])} | {_fmt(row['async'])} | "
-                     f"{_fmt(row.get('async+ef'))} | {row['gap']:+.4f} | {rec} |")
+                     f"{_fmt(row.get('async+ef'))} | {row['gap']:+.4f} | {rec} |" + more)
     for opt, paper in PAPER.items():
         gap = paper["async"] - paper["sync"]
         rec = (paper["async"] - paper["async+ef"]) / gap

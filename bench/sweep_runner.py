@@ -35,7 +35,10 @@ MODES = {
     "sync": [],
     "async": ["--simulated-delay", "1"],
     "async+ef": ["--simulated-delay", "1", "--delay-correction", "ef"],
+    "async+dc": ["--simulated-delay", "1", "--delay-correction", "dc-asgd"],
+    "async+predict": ["--simulated-delay", "1", "--delay-correction", "predict"],
 }
+DEFAULT_MODES = ("sync", "async", "async+ef")
 
 
 @dataclass
