@@ -31,6 +31,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 from bench import delay_sweep_report as report
 from bench.sweep_runner import DEFAULT_MODES, MODES, Model, Run, cell, prepare_dirs, run_all, run_name
@@ -113,6 +114,8 @@ def parse(argv) -> argparse.Namespace:
                         "the paper links robustness to delay with higher momentum")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"modes at the best lr, comma-separated, from {', '.join(MODES)} (sync and async always)")
+    p.add_argument("--archive", default=None, metavar="DIR",
+                   help="also keep each run's result as DIR/NAME.json and reuse it (commit DIR: sweeps span sessions)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="adam and muon, sync and async, 20 iterations, 1 seed, fixed lr: a smoke test")
@@ -164,7 +167,9 @@ def main(argv=None) -> int:
           f"{model.hidden_size}H, seq {model.seq_length}, {model.global_batch_size} sequences/step, "
           f"{model.iters} steps; out {root}", flush=True)
     t0, done = time.monotonic(), [0, 0]
-    run = lambda runs: results.update(run_all(runs, model, data, root, args.parallel, args.timeout, done, total, t0))
+    archive = Path(args.archive).resolve() if args.archive else None
+    run = lambda runs: results.update(run_all(runs, model, data, root, args.parallel, args.timeout, done, total, t0,
+                                              archive))
 
     results: dict = {}
     run(searches)

@@ -101,12 +101,15 @@ def _final_val_loss(records):
     return final[-1] if final else [r["val_loss"] for r in records if "val_loss" in r][-1]
 
 
-def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float) -> dict:
-    """Run one training job unless its result.json exists; return the result."""
+def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, archive: Path | None = None) -> dict:
+    """Run one training job unless its result.json exists (in the run directory, or as
+    ARCHIVE/NAME.json: results kept in the repository, so a sweep spans sessions)."""
     out = root / "runs" / run.name
     result_path = out / "result.json"
-    if result_path.exists():
-        return {**json.loads(result_path.read_text()), "skipped": True}
+    kept = archive / f"{run.name}.json" if archive else None
+    for path in (result_path, kept):
+        if path is not None and path.exists():
+            return {**json.loads(path.read_text()), "skipped": True}
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(run.nproc),
@@ -126,16 +129,19 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float) ->
                   nproc=run.nproc, final_val_loss=_final_val_loss(records), val_curve=vals, train_curve=losses,
                   seconds=round(seconds, 1), command=" ".join(cmd[1:]))
     result_path.write_text(json.dumps(result))
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(result))
     return result
 
 
 def run_all(runs: list[Run], model: Model, data: Path, root: Path, parallel: int, timeout_s: float,
-            done: list[int], total: int, t0: float) -> dict[str, dict]:
+            done: list[int], total: int, t0: float, archive: Path | None = None) -> dict[str, dict]:
     """Run `runs` `parallel` at a time, printing a progress line per finished run.
     `done` counts [finished, skipped] across calls, for the ETA."""
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = {pool.submit(execute, r, model, data, root, timeout_s): r for r in runs}
+        futures = {pool.submit(execute, r, model, data, root, timeout_s, archive): r for r in runs}
         for future in concurrent.futures.as_completed(futures):
             result = future.result()
             results[result["name"]] = result

@@ -9,8 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _sweep(out, data):
-    cmd = [sys.executable, "-m", "bench.delay_sweep", "--quick", "--out", str(out), "--data", str(data)]
+def _sweep(out, data, *extra):
+    cmd = [sys.executable, "-m", "bench.delay_sweep", "--quick", "--out", str(out), "--data", str(data), *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -34,9 +34,29 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
     assert "| adam |" in table and "| muon |" in table
     assert (out / "reproduction_adam.png").read_bytes()[:4] == b"\x89PNG"
     assert first.count("skipped") == 0
-    # a second invocation finds every run done and only rebuilds the summary
-    second = _sweep(out, small_corpus)
+    # a second invocation finds every run done and only rebuilds the summary; with
+    # --archive the results are also kept outside the run directories
+    archive = tmp_path / "archive"
+    second = _sweep(out, small_corpus, "--archive", str(archive))
     assert second.count("skipped (done before)") == 4, second
+    # the length report reads the summary
+    from bench import delay_length
+
+    rows = delay_length.main([str(out / "summary.json")])["rows"]
+    assert {r["optimizer"] for r in rows} == {"adam", "muon"} and all(r["iters"] == 20 for r in rows)
+
+
+def test_archived_results_are_reused(tmp_path):
+    """A run whose result is in the archive (kept in the repository) is not run again."""
+    from bench.sweep_runner import Model, Run, execute
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    kept = {"name": "adam_lr0.002_sync_s0", "final_val_loss": 4.5, "seconds": 1.0}
+    (archive / "adam_lr0.002_sync_s0.json").write_text(json.dumps(kept))
+    result = execute(Run("adam_lr0.002_sync_s0", "adam", 0.002, "sync", 0), Model(), tmp_path / "no-data",
+                     tmp_path / "out", 10.0, archive)
+    assert result["skipped"] and result["final_val_loss"] == 4.5
 
 
 def test_fixed_lr_parses_and_bad_values_name_the_flag(capsys):

@@ -1,0 +1,120 @@
+"""The delay gap as training grows: one table and one plot from delay sweeps of several lengths.
+
+The paper's claim (a one-step delay costs Muon little) is about long runs; at CPU
+scale the gap is large after 150 steps. This reads the summary.json of
+bench/delay_sweep.py runs at several `--iters` (same model, corpus and modes) and
+reports, per optimizer and length: the sync loss, the gap async - sync, the gap
+relative to the sync loss, and the share of the gap each correction recovers, with
+the targets of the issue at the longest length (Muon's gap < 2% of its sync loss,
+AdamW's gap >= 3x Muon's, EF recovering >= 50% of Muon's gap).
+
+    .venv/bin/python -m bench.delay_length out/len150/summary.json out/len600/summary.json \\
+        --plot docs/img/delay_length.png --json out/delay_length.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.delay_sweep_report import CORRECTIONS
+from bench.results import emit
+
+
+def rows(summaries: list[dict]) -> list[dict]:
+    """One row per (optimizer, length), sorted by optimizer then length."""
+    out = []
+    for summary in summaries:
+        model = summary["model"]
+        tokens = model["iters"] * model["global_batch_size"] * model["seq_length"]
+        for opt, row in summary["table"].items():
+            sync = row["sync"]["mean"]
+            out.append(dict(optimizer=opt, iters=model["iters"], tokens=tokens, lr=row["best_lr"], sync=sync,
+                            async_=row["async"]["mean"], gap=row["gap"], relative_gap=row["gap"] / sync,
+                            seeds=len(row["sync"]["runs"]),
+                            recovered={CORRECTIONS[m]: v for m, v in row.get("recovered", {}).items()}))
+    return sorted(out, key=lambda r: (r["optimizer"], r["iters"]))
+
+
+def targets(table: list[dict]) -> dict:
+    """The issue's targets at the longest length that has both AdamW and Muon."""
+    lengths = {r["iters"] for r in table if r["optimizer"] == "adam"} & {r["iters"] for r in table
+                                                                          if r["optimizer"] == "muon"}
+    if not lengths:
+        return {}
+    longest = max(lengths)
+    adam, muon = (next(r for r in table if r["optimizer"] == o and r["iters"] == longest) for o in ("adam", "muon"))
+    return {"iters": longest,
+            "muon_relative_gap": muon["relative_gap"], "muon_relative_gap_below_2pct": muon["relative_gap"] < 0.02,
+            "adam_over_muon_gap": adam["gap"] / muon["gap"] if muon["gap"] else float("inf"),
+            "adam_gap_at_least_3x": muon["gap"] <= 0 or adam["gap"] >= 3 * muon["gap"],
+            "ef_recovers_muon": muon["recovered"].get("EF"),
+            "ef_recovers_at_least_half": (muon["recovered"].get("EF") or 0) >= 0.5}
+
+
+def report(table: list[dict], goal: dict) -> str:
+    names = sorted({k for r in table for k in r["recovered"]})
+    lines = ["| optimizer | steps | tokens | lr | sync | async | gap | gap / sync |"
+             + "".join(f" {n} recovers |" for n in names),
+             "| --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(names)]
+    for r in table:
+        rec = "".join(f" {100 * r['recovered'][n]:.0f}% |" if n in r["recovered"] else " – |" for n in names)
+        lines.append(f"| {r['optimizer']} | {r['iters']} | {r['tokens'] / 1e6:.2f}M | {r['lr']:g} | {r['sync']:.4f} | "
+                     f"{r['async_']:.4f} | {r['gap']:+.4f} | {100 * r['relative_gap']:.1f}% |" + rec)
+    if goal:
+        lines += ["", f"Targets at {goal['iters']} steps: Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "
+                      f"sync loss (target < 2%: {'met' if goal['muon_relative_gap_below_2pct'] else 'not met'}); "
+                      f"AdamW's gap {goal['adam_over_muon_gap']:.1f}x Muon's (target >= 3x: "
+                      f"{'met' if goal['adam_gap_at_least_3x'] else 'not met'}); EF recovers "
+                      + (f"{100 * goal['ef_recovers_muon']:.0f}%" if goal["ef_recovers_muon"] is not None else "–")
+                      + f" of Muon's gap (target >= 50%: {'met' if goal['ef_recovers_at_least_half'] else 'not met'})."]
+    return "\n".join(lines)
+
+
+def plot(table: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for opt, colour in (("adam", "tab:red"), ("muon", "tab:blue"), ("lion", "tab:olive"), ("soap", "tab:purple")):
+        mine = [r for r in table if r["optimizer"] == opt]
+        if not mine:
+            continue
+        left.plot([r["tokens"] for r in mine], [100 * r["relative_gap"] for r in mine], marker="o", color=colour,
+                  label=opt)
+        for name, style in (("EF", "-"), ("DC-ASGD", ":"), ("prediction", "--")):
+            pts = [(r["tokens"], 100 * r["recovered"][name]) for r in mine if name in r["recovered"]]
+            if pts:
+                right.plot(*zip(*pts), marker="o", linestyle=style, color=colour, label=f"{opt}, {name}")
+    left.set(xscale="log", xlabel="tokens seen", ylabel="gap async - sync, % of sync loss",
+             title="one-step delay gap vs training length")
+    right.set(xscale="log", xlabel="tokens seen", ylabel="% of the gap recovered", title="corrections")
+    right.axhline(50, color="grey", lw=0.8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("summaries", nargs="+", help="summary.json of bench/delay_sweep.py runs of different --iters")
+    ap.add_argument("--plot")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    table = rows([json.loads(Path(p).read_text()) for p in args.summaries])
+    goal = targets(table)
+    if args.plot:
+        plot(table, args.plot)
+    return emit({"rows": table, "targets": goal, "summaries": args.summaries}, report(table, goal), args.json)
+
+
+if __name__ == "__main__":
+    main()
