@@ -101,6 +101,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="seeds per (optimizer, mode) at the best lr")
     p.add_argument("--search-seeds", type=int, default=2, help="seeds per learning rate in the search")
     p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 150)")
+    p.add_argument("--eval-interval", type=int, default=None,
+                   help="validation every this many iterations (default 25; long runs: fewer evaluations)")
     p.add_argument("--lr", default="", metavar="OPT=LR,...",
                    help="fixed learning rates (e.g. adam=0.002,muon=0.008): no search for these optimizers")
     p.add_argument("--parallel", type=int, default=2, help="runs at once (one core each)")
@@ -147,6 +149,8 @@ def main(argv=None) -> int:
                       iters=20, eval_interval=10, eval_iters=2)
         optimizers, seeds, search_seeds, modes = ["adam", "muon"], [0], [0], ["sync", "async"]
         grids = {o: [2e-3] for o in optimizers}
+    if args.eval_interval:
+        model.eval_interval = args.eval_interval
     if args.iters:
         model.iters = args.iters
         model.eval_interval = math.gcd(model.iters, model.eval_interval)
