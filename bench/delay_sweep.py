@@ -131,7 +131,7 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--lr: expected OPT=LR,... (e.g. adam=0.002,muon=0.008), got {args.lr!r}")
     if set(args.fixed_lr) - set(LR_GRID):
         p.error(f"--lr: unknown optimizers {sorted(set(args.fixed_lr) - set(LR_GRID))}")
-    args.modes = list(dict.fromkeys(["sync", "async", *args.modes.split(",")]))
+    args.modes = list(dict.fromkeys(["sync", "async", *filter(None, args.modes.split(","))]))
     if set(args.modes) - set(MODES):
         p.error(f"--modes: unknown {sorted(set(args.modes) - set(MODES))}; choose from {', '.join(MODES)}")
     return args
