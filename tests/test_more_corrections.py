@@ -17,6 +17,7 @@ import torch
 from megatron_async.delay_correction import DC_BETA, DC_EPS, DelayCorrectedOptimizer
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT
+from test_delay_correction import _assert_same, _OneTorchOptimizer  # the same comparison and stand-in
 
 STEPS = 8
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
@@ -33,33 +34,7 @@ def dc_train_entry(rank, world_size, spec, iterations, dc_lambda):
     return tiny_gpt.train(spec, iterations, rank, world_size)
 
 
-def _assert_same(ref, results, rtol=1e-6, atol=1e-6, exact=False):
-    losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
-    if exact:
-        assert losses == ref["losses"]
-    else:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=rtol, atol=0.0)
-    seen = set()
-    for r in results:
-        for name, value in r["params"].items():
-            if exact:
-                assert torch.equal(value, ref["params"][name]), f"rank {r['rank']} {name} differs"
-            else:
-                torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol)
-            seen.add(name)
-    assert seen == set(ref["params"])
-
-
 # --- DC-ASGD ---------------------------------------------------------------------------
-
-class _OneTorchOptimizer:
-    def __init__(self, opt):
-        self.optimizer = opt
-
-    def step(self):
-        self.optimizer.step()
-        return True, None, None
-
 
 def test_dc_asgd_rule_on_known_updates():
     """SGD (lr 0.1, no momentum) with gradients that do not depend on w: D_t = -0.1 g~_t and
