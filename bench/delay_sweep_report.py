@@ -10,8 +10,9 @@ PAPER = {  # Zmushko et al. 2026, SmolLM-360M on FineWeb-Edu, final validation l
     "muon": {"sync": 2.578, "async": 2.590, "async+ef": 2.583},
 }
 COLORS = {"sync": "tab:blue", "async": "tab:red", "async+ef": "tab:green", "async+dc": "tab:purple",
-          "async+predict": "tab:orange"}
-CORRECTIONS = {"async+ef": "EF", "async+dc": "DC-ASGD", "async+predict": "prediction"}
+          "async+predict": "tab:orange", "async+nesterov": "tab:brown"}
+CORRECTIONS = {"async+ef": "EF", "async+dc": "DC-ASGD", "async+predict": "prediction",
+               "async+nesterov": "Nesterov"}
 
 
 def _fmt(cell) -> str:

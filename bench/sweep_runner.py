@@ -37,6 +37,7 @@ MODES = {
     "async+ef": ["--simulated-delay", "1", "--delay-correction", "ef"],
     "async+dc": ["--simulated-delay", "1", "--delay-correction", "dc-asgd"],
     "async+predict": ["--simulated-delay", "1", "--delay-correction", "predict"],
+    "async+nesterov": ["--simulated-delay", "1", "--delay-correction", "nesterov"],
 }
 DEFAULT_MODES = ("sync", "async", "async+ef")
 

@@ -1,7 +1,7 @@
 """Corrections of the one-step-delayed update around any Megatron optimizer.
 
 Under 2bw (and `--simulated-delay 1`) step t applies an update D_t computed from a
-gradient taken at weights one step old. Two corrections act at the optimizer step
+gradient taken at weights one step old. Three corrections act at the optimizer step
 (docs/delay_correction.md):
 
 - `ef` (error feedback) applies U_t = D_t + lambda * (D_t - D_{t-1}), a first-order
@@ -10,7 +10,14 @@ gradient taken at weights one step old. Two corrections act at the optimizer ste
   gradient before the optimizer sees it, with the diagonal of the gradient outer
   product standing in for the Hessian: g <- g + lambda_t * g * g * (W_t - W_{t-1}),
   where W_t - W_{t-1} = D_{t-1} and lambda_t = lambda_0 / sqrt(mean square of g),
-  an exponential average with rate 0.95. D_t is measured, not derived: it is what the wrapped
+  an exponential average with rate 0.95;
+- `nesterov` (Nesterov look-ahead, after Ajanthan et al. 2025) feeds the optimizer
+  g~_t = g_t + beta (g_t - g_{t-1}) (g_{-1} = 0): a momentum optimizer with
+  coefficient beta then keeps exactly the Nesterov look-ahead of its momentum
+  (SGD becomes torch's SGD(nesterov=True)), for any optimizer whose momentum is an
+  exponential or heavy-ball average of the gradients it is given.
+
+D_t is measured, not derived: it is what the wrapped
 optimizer did to its own main parameters (after momentum, orthogonalisation,
 scaling, weight decay and learning rate), so any Megatron optimizer works
 unchanged: Adam, Muon, a ChainedOptimizer, the distributed optimizers.
@@ -34,7 +41,7 @@ from typing import Iterator, Optional
 import torch
 
 STATE_KEY = "delay_correction"
-RULES = ("ef", "dc-asgd")
+RULES = ("ef", "dc-asgd", "nesterov")
 DC_BETA = 0.95  # rate of DC-ASGD's mean square of the gradient
 DC_EPS = 1e-12
 
@@ -56,12 +63,14 @@ class DelayCorrection:
     """The hooks and their state: the previous update D_{t-1} of every main parameter
     (and, for DC-ASGD, the mean square of its gradient)."""
 
-    def __init__(self, optimizer, ef_lambda: float = 1.0, rule: str = "ef", dc_lambda: float = 1.0):
+    def __init__(self, optimizer, ef_lambda: float = 1.0, rule: str = "ef", dc_lambda: float = 1.0,
+                 nesterov_beta: float = 0.9):
         if rule not in RULES:
             raise ValueError(f"unknown delay correction {rule!r} (choose from {', '.join(RULES)})")
         self.rule = rule
         self.ef_lambda = float(ef_lambda)
         self.dc_lambda = float(dc_lambda)
+        self.nesterov_beta = float(nesterov_beta)
         self.load_expected = True  # False: the checkpoint to resume holds no EF state (asked for nothing)
         self.steps = 0  # inner steps seen (of the first torch optimizer)
         self._enabled = False
@@ -88,10 +97,28 @@ class DelayCorrection:
         if not self._enabled:
             return
         self._depth[index] += 1  # a subclass step calling a hooked base step fires twice
-        if self._depth[index] == 1:
-            self._snap[index] = [p.detach().clone() for p in _params(opt)]
-            if self.rule == "dc-asgd":
-                self._compensate(index, _params(opt))
+        if self._depth[index] != 1:
+            return
+        if self.rule == "nesterov":
+            self._look_ahead(index, _params(opt))
+            return
+        self._snap[index] = [p.detach().clone() for p in _params(opt)]
+        if self.rule == "dc-asgd":
+            self._compensate(index, _params(opt))
+
+    def _look_ahead(self, index: int, params: list[torch.Tensor]) -> None:
+        """Nesterov: g <- g + beta (g - g_prev), g_prev the last raw gradient (zero at first)."""
+        prev = self._prev[index]
+        if prev is None:
+            prev = [torch.zeros_like(p) for p in params]
+        for i, p in enumerate(params):
+            if p.grad is None:
+                continue
+            g = p.grad.detach()
+            raw = g.clone()
+            g.add_(raw - prev[i], alpha=self.nesterov_beta)
+            prev[i] = raw
+        self._prev[index] = prev
 
     def _compensate(self, index: int, params: list[torch.Tensor]) -> None:
         """DC-ASGD: g <- g + lambda_0 / sqrt(ms) * g * g * D_{t-1}, ms the mean square of g."""
@@ -115,6 +142,10 @@ class DelayCorrection:
         self._depth[index] -= 1
         if self._depth[index]:
             return
+        if index == 0:
+            self.steps += 1
+        if self.rule == "nesterov":
+            return
         params, snap, prev = _params(opt), self._snap[index], self._prev[index]
         self._snap[index] = None
         for i, p in enumerate(params):
@@ -122,8 +153,6 @@ class DelayCorrection:
             if prev is not None and self.rule == "ef":
                 p.detach().add_(update - prev[i], alpha=self.ef_lambda)
         self._prev[index] = snap
-        if index == 0:
-            self.steps += 1
 
     def _restore(self, saved: list) -> list:
         if len(saved) != len(self._opts):
@@ -153,6 +182,7 @@ class DelayCorrection:
             "rule": self.rule,
             "ef_lambda": self.ef_lambda,
             "dc_lambda": self.dc_lambda,
+            "nesterov_beta": self.nesterov_beta,
             "steps": self.steps,
             "prev": saved(self._prev),
             "mean_square": saved(self._mean_square),
@@ -169,7 +199,7 @@ class DelayCorrection:
 
 
 class DelayCorrectedOptimizer:
-    """A Megatron optimizer whose steps apply a delay correction (`rule`: ef, dc-asgd).
+    """A Megatron optimizer whose steps apply a delay correction (`rule`: ef, dc-asgd, nesterov).
 
     Everything but `step`, `sharded_state_dict` and `load_state_dict` is the wrapped
     optimizer's (attribute reads and writes are delegated). The correction's state
@@ -179,9 +209,11 @@ class DelayCorrectedOptimizer:
 
     _OWN = ("wrapped", "delay_correction")
 
-    def __init__(self, optimizer, ef_lambda: float = 1.0, rule: str = "ef", dc_lambda: float = 1.0):
+    def __init__(self, optimizer, ef_lambda: float = 1.0, rule: str = "ef", dc_lambda: float = 1.0,
+                 nesterov_beta: float = 0.9):
         object.__setattr__(self, "wrapped", optimizer)
-        object.__setattr__(self, "delay_correction", DelayCorrection(optimizer, ef_lambda, rule, dc_lambda))
+        object.__setattr__(self, "delay_correction",
+                           DelayCorrection(optimizer, ef_lambda, rule, dc_lambda, nesterov_beta))
 
     def __getattr__(self, name):
         return getattr(self.wrapped, name)

@@ -14,7 +14,9 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
 - optimizer state, sharded over the data-parallel ranks with --use-distributed-optimizer
   (experts over the expert-data-parallel ranks): fp32 main weights (4) and Adam's two
   moments (8) or Muon's momentum (4);
-- the EF buffer with --delay-correction ef: the previous update, fp32, sharded like the main weights;
+- the correction's buffers, fp32, sharded like the main weights: one copy with
+  --delay-correction ef (the previous update) or nesterov (the previous gradient),
+  two with dc-asgd (the previous update and the gradient's mean square);
 - activations, an estimate: bytes a token a layer (attention block 34h with flash
   attention, per Korthikanti et al. 2022, its MLP part replaced for MoE by top-k
   experts' 2h + 6f) x tokens of a microbatch x layers of the stage x microbatches in
@@ -29,6 +31,8 @@ import argparse
 import copy
 import json
 import sys
+
+CORRECTION_COPIES = {"ef": 1, "dc-asgd": 2, "nesterov": 1}  # fp32 copies of the sharded main weights
 
 
 def _build_stage(config, args, layers: int, first: bool, last: bool):
@@ -124,7 +128,7 @@ def plan(args) -> list[dict]:
             "stash": 2 * gpu if args.pipeline_schedule == "2bw" else 0,
             "gradients": grad_bytes * gpu,
             "optimizer": (4 + moments) * sharded,
-            "ef_buffer": 4 * sharded if args.delay_correction == "ef" else 0,
+            "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
             "activations": _activation_bytes(args, stage, per_stage, last),
         }
         rows.append({"stage": stage, "stage_params": counts["dense"] + counts["expert"],

@@ -1,4 +1,4 @@
-"""`--delay-correction dc-asgd` and `--delay-correction predict` (docs/delay_correction.md).
+"""`--delay-correction dc-asgd`, `predict` and `nesterov` (docs/delay_correction.md).
 
 - DC-ASGD's rule on a torch optimizer whose updates are known in closed form (float64,
   1e-12); lambda_0 = 0 is bitwise the plain optimizer on Megatron (negative control:
@@ -8,7 +8,12 @@
   versions microbatches use (checked against weights set by hand); alpha = 0 is
   bitwise plain one-step delay (negative control: alpha = 1 is not); 2bw at PP=2
   equals its PP=1 twin (1e-6); in Megatron's loop a 2bw run with prediction resumes
-  bit for bit (tests/test_megatron_loop.py).
+  bit for bit (tests/test_megatron_loop.py);
+- Nesterov look-ahead: SGD with momentum beta, corrected with beta, is torch's
+  SGD(nesterov=True) (float64, 1e-12; negative control: uncorrected is not); Adam's
+  first moment becomes beta m_t + (1 - beta) g_t of the plain Adam fed the same
+  gradients; beta = 0 is bitwise the plain optimizer (negative control: 0.9 is not);
+  2bw at PP=2 equals its PP=1 twin (1e-6).
 """
 
 import pytest
@@ -23,14 +28,15 @@ STEPS = 8
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
 
 
-def dc_train_entry(rank, world_size, spec, iterations, dc_lambda):
-    """tiny_gpt.train with the optimizer wrapped in DC-ASGD (patched in this rank's process only)."""
+def dc_train_entry(rank, world_size, spec, iterations, dc_lambda, rule="dc-asgd"):
+    """tiny_gpt.train with the optimizer wrapped in DC-ASGD (or, with rule="nesterov", the
+    look-ahead with beta = dc_lambda); patched in this rank's process only."""
     from megatron_async.testing import tiny_gpt
 
     plain = tiny_gpt.get_megatron_optimizer
     if dc_lambda is not None:
         tiny_gpt.get_megatron_optimizer = lambda config, model: DelayCorrectedOptimizer(
-            plain(config, model), rule="dc-asgd", dc_lambda=dc_lambda)
+            plain(config, model), rule=rule, dc_lambda=dc_lambda, nesterov_beta=dc_lambda)
     return tiny_gpt.train(spec, iterations, rank, world_size)
 
 
@@ -118,6 +124,69 @@ def test_2bw_with_prediction_equals_simulated_delay_with_prediction():
     spec = dict(weight_prediction=1.0, **COMMON)
     (ref,) = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **spec), STEPS, None)
     results = run_distributed(dc_train_entry, 2, TinyGPT(pp=2, schedule="2bw", **spec), STEPS, None)
+    _assert_same(ref, results)
+
+
+# --- Nesterov look-ahead -------------------------------------------------------------------
+
+def _quadratic_grads(w: torch.Tensor, step: int) -> torch.Tensor:
+    """A gradient that depends on the weights (so look-ahead changes the trajectory)."""
+    target = torch.randn(w.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+    return (w.detach() - target) * torch.linspace(0.5, 2.0, w.numel(), dtype=torch.float64).view_as(w)
+
+
+def _sgd_trajectory(corrected: bool, nesterov: bool, beta: float = 0.9, steps: int = 8) -> torch.Tensor:
+    w = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    opt = _OneTorchOptimizer(torch.optim.SGD([w], lr=0.1, momentum=beta, nesterov=nesterov))
+    if corrected:
+        opt = DelayCorrectedOptimizer(opt, rule="nesterov", nesterov_beta=beta)
+    for t in range(steps):
+        w.grad = _quadratic_grads(w, t)
+        opt.step()
+    return w.detach().clone()
+
+
+def test_nesterov_correction_turns_sgd_momentum_into_torch_nesterov():
+    torch_nesterov = _sgd_trajectory(corrected=False, nesterov=True)
+    torch.testing.assert_close(_sgd_trajectory(corrected=True, nesterov=False), torch_nesterov, rtol=1e-12, atol=1e-12)
+    with pytest.raises(AssertionError):  # negative control: heavy-ball momentum is not Nesterov
+        torch.testing.assert_close(_sgd_trajectory(corrected=False, nesterov=False), torch_nesterov,
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_nesterov_correction_gives_adam_the_look_ahead_first_moment():
+    """With gradients that do not depend on w, plain Adam's first moment m_t gives the
+    corrected one in closed form: beta m_t + (1 - beta) g_t (g_{-1} = 0)."""
+    beta = 0.9
+    grads = [torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(t)) for t in range(6)]
+    plain_w = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    corr_w = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    plain = torch.optim.Adam([plain_w], lr=0.01, betas=(beta, 0.999))
+    corrected = DelayCorrectedOptimizer(_OneTorchOptimizer(torch.optim.Adam([corr_w], lr=0.01, betas=(beta, 0.999))),
+                                        rule="nesterov", nesterov_beta=beta)
+    for g in grads:
+        plain_w.grad, corr_w.grad = g.clone(), g.clone()
+        plain.step()
+        corrected.step()
+        m_plain = plain.state[plain_w]["exp_avg"]
+        m_corrected = corrected.wrapped.optimizer.state[corr_w]["exp_avg"]
+        torch.testing.assert_close(m_corrected, beta * m_plain + (1 - beta) * g, rtol=1e-12, atol=1e-12)
+    assert corrected.delay_correction.buffer_bytes() == corr_w.numel() * corr_w.element_size()
+
+
+def test_nesterov_beta_zero_is_bitwise_the_plain_optimizer():
+    spec = TinyGPT(simulated_delay=1, **COMMON)
+    (plain,) = run_distributed(dc_train_entry, 1, spec, STEPS, None)
+    (zero,) = run_distributed(dc_train_entry, 1, spec, STEPS, 0.0, "nesterov")
+    _assert_same(plain, [zero], exact=True)
+    (look_ahead,) = run_distributed(dc_train_entry, 1, spec, STEPS, 0.9, "nesterov")
+    with pytest.raises(AssertionError):
+        _assert_same(plain, [look_ahead])
+
+
+def test_2bw_with_nesterov_equals_simulated_delay_with_nesterov():
+    (ref,) = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **COMMON), STEPS, 0.9, "nesterov")
+    results = run_distributed(dc_train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), STEPS, 0.9, "nesterov")
     _assert_same(ref, results)
 
 

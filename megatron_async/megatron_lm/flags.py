@@ -32,15 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--clip-grad-mode", default="stage-local", choices=["stage-local", "stale-global"],
                    help="2bw: stage-local clips each stage by its own gradient norm; stale-global clips step t by "
                         "the global norm of step t-1, from a non-blocking all-reduce started at step t-1")
-    g.add_argument("--delay-correction", default="none", choices=["none", "ef", "dc-asgd", "predict"],
+    g.add_argument("--delay-correction", default="none", choices=["none", "ef", "dc-asgd", "predict", "nesterov"],
                    help="ef: apply D_t + lambda (D_t - D_{t-1}) instead of the optimizer's update D_t; dc-asgd: "
                         "g + lambda_t g*g*D_{t-1} (delay compensation); predict: run microbatches at "
-                        "W + alpha (W - W_prev) (docs/delay_correction.md)")
+                        "W + alpha (W - W_prev); nesterov: g + beta (g - g_prev), the optimizer's momentum "
+                        "becomes Nesterov's look-ahead (docs/delay_correction.md)")
     g.add_argument("--ef-lambda", type=float, default=1.0, help="lambda of --delay-correction ef")
     g.add_argument("--dc-lambda", type=float, default=1.0,
                    help="lambda_0 of --delay-correction dc-asgd (lambda_t = lambda_0 / sqrt(mean square of g))")
     g.add_argument("--prediction-alpha", type=float, default=1.0,
                    help="alpha of --delay-correction predict (1: the last update applied once more)")
+    g.add_argument("--nesterov-beta", type=float, default=None,
+                   help="beta of --delay-correction nesterov (default: the optimizer's own momentum: "
+                        "--adam-beta1, --muon-momentum or --sgd-momentum)")
     g.add_argument("--layout-invariant-init", action="store_true",
                    help="seed every weight by --seed and its global name, so any TP/PP/EP layout starts equal")
     g.add_argument("--metrics-json", default=None, metavar="PATH",
@@ -163,6 +167,22 @@ def _check_delay_correction(args: argparse.Namespace, delays: tuple) -> None:
                  f"got --simulated-delay {','.join(map(str, delays))}")
     _require(args.dc_lambda >= 0.0, f"--dc-lambda must be >= 0 (got {args.dc_lambda})")
     _require(args.prediction_alpha >= 0.0, f"--prediction-alpha must be >= 0 (got {args.prediction_alpha})")
+    if name == "nesterov":
+        _require(not getattr(args, "muon_nesterov", False),
+                 "--delay-correction nesterov with --muon-nesterov would apply Nesterov's look-ahead twice")
+        beta = nesterov_beta(args)
+        _require(0.0 <= beta < 1.0, f"--nesterov-beta must be in [0, 1) (got {beta})")
+
+
+def nesterov_beta(args: argparse.Namespace) -> float:
+    """--nesterov-beta, or the momentum coefficient of the optimizer it corrects."""
+    if args.nesterov_beta is not None:
+        return args.nesterov_beta
+    if "muon" in args.optimizer:
+        return args.muon_momentum
+    if args.optimizer == "sgd":
+        return args.sgd_momentum
+    return args.adam_beta1
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 from megatron.core import parallel_state
 
+from megatron_async.delay_correction import RULES
 from megatron_async.megatron_lm.checkpoint import snapshot_rng
 from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 
@@ -92,11 +93,12 @@ def wrap_optimizer(model, optimizer):
     if two_bw:
         make_stage_local(optimizer, args.use_distributed_optimizer)
     resumed = saved_contents(args) if args.load else {}
-    if args.delay_correction in ("ef", "dc-asgd"):
+    if args.delay_correction in RULES:
         from megatron_async.delay_correction import DelayCorrectedOptimizer
+        from megatron_async.megatron_lm.flags import nesterov_beta
 
         optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
-                                            dc_lambda=args.dc_lambda)
+                                            dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args))
         optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction"))
     if two_bw and args.clip_grad_mode == "stale-global":
         from megatron_async.pipeline.p2p import duplicate_pipeline_group
@@ -117,7 +119,7 @@ def saved_contents_marker() -> dict:
     args = get_args()
     if STATE.stash is None:
         return {}
-    return {STASH_KEY: True, "delay_correction": args.delay_correction in ("ef", "dc-asgd"),
+    return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
             STALE_NORM_KEY: STATE.stale_norm is not None,
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay}
 
