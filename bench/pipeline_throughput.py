@@ -1,7 +1,7 @@
 """Pipeline throughput inside Megatron's own training loop, on CPU processes.
 
     .venv/bin/python -m bench.pipeline_throughput [--repeats R] [--iters N] [--json PATH]
-    .venv/bin/python -m bench.pipeline_throughput --balance    # 16 layers, uneven first/last stages
+    .venv/bin/python -m bench.pipeline_throughput --balance [--layers 15]  # deeper model, uneven splits
     .venv/bin/python -m bench.pipeline_throughput --quick      # tiny model, two configurations
 
 Every configuration is a real `megatron.training.pretrain` run through the launcher
@@ -56,16 +56,30 @@ def layout(first: int, last: int) -> list[str]:
     return ["--decoder-first-pipeline-num-layers", str(first), "--decoder-last-pipeline-num-layers", str(last)]
 
 
-# Stage balance at PP=2, m=4 on the 16-layer model: the last stage also computes the
-# output layer and the loss, so it gets fewer transformer layers.
-BALANCE_CONFIGS = [
-    ("pp1_m4", 1, 4, []),
-    ("1f1b_m4_8+8", 2, 4, []),
-    ("1f1b_m4_9+7", 2, 4, layout(9, 7)),
-    ("2bw_m4_8+8", 2, 4, ["--pipeline-schedule", "2bw"]),
-    ("2bw_m4_9+7", 2, 4, ["--pipeline-schedule", "2bw", *layout(9, 7)]),
-    ("2bw_m4_10+6", 2, 4, ["--pipeline-schedule", "2bw", *layout(10, 6)]),
-]
+def balance_configs(layers: int) -> list[tuple]:
+    """Stage balance at PP=2, m=4: the last stage also computes the output layer and the
+    loss, so it gets fewer transformer layers. Even depths try whole-layer splits
+    (L/2 + k, L/2 - k); odd depths use Megatron's --account-for-loss-in-pipeline-split,
+    which counts the loss as a layer ((L+1)/2 on the first stage, (L-1)/2 + loss on the
+    last). `pp1_m4_x2` runs two PP=1 jobs at once, one per core: the bound under the
+    same load as a pipeline's two busy cores."""
+    two_bw = ["--pipeline-schedule", "2bw"]
+    configs = [("pp1_m4", 1, 4, []), ("pp1_m4_x2", 1, 4, [])]
+    if layers % 2:
+        first, last = (layers + 1) // 2, (layers - 1) // 2
+        loss_split = ["--account-for-loss-in-pipeline-split"]
+        return configs + [(f"1f1b_m4_{first}+{last}+loss", 2, 4, loss_split),
+                          (f"2bw_m4_{first}+{last}+loss", 2, 4, two_bw + loss_split),
+                          (f"2bw_m4_{first + 1}+{last - 1}", 2, 4, two_bw + layout(first + 1, last - 1))]
+    half = layers // 2
+    return configs + [(f"1f1b_m4_{half}+{half}", 2, 4, []),
+                      (f"1f1b_m4_{half + 1}+{half - 1}", 2, 4, layout(half + 1, half - 1)),
+                      (f"2bw_m4_{half}+{half}", 2, 4, two_bw),
+                      (f"2bw_m4_{half + 1}+{half - 1}", 2, 4, two_bw + layout(half + 1, half - 1)),
+                      (f"2bw_m4_{half + 2}+{half - 2}", 2, 4, two_bw + layout(half + 2, half - 2))]
+
+
+BALANCE_CONFIGS = balance_configs(16)
 FULL_MODEL = dict(layers=8, hidden=256, heads=4, vocab=4096, seq=128, mbs=4)
 BALANCE_MODEL = dict(FULL_MODEL, layers=16)
 QUICK_MODEL = dict(layers=4, hidden=32, heads=4, vocab=64, seq=16, mbs=2)
@@ -103,14 +117,26 @@ def seconds_per_microbatch(stats_dir: str, m: int) -> float:
 
 
 def run(model: dict, config: tuple, iters: int) -> float:
+    """s / microbatch of one configuration; a name ending in _x2 runs two copies at once
+    (their mean; separate rendezvous ports)."""
     name, pp, m, extra = config
-    with tempfile.TemporaryDirectory() as stats_dir:
-        cmd = command(model, pp, m, extra, iters, stats_dir)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        return seconds_per_microbatch(stats_dir, m)
+    copies = 2 if name.endswith("_x2") else 1
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = [os.path.join(tmp, str(i)) for i in range(copies)]
+        procs = []
+        for i, stats_dir in enumerate(dirs):
+            cmd = command(model, pp, m, extra, iters, stats_dir)
+            if copies > 1:
+                cmd = [c for c in cmd if c != "--standalone"]
+                cmd[3:3] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{29600 + i}", "--nnodes", "1"]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outputs = [p.communicate(timeout=1800)[0] for p in procs]
+        for p, out in zip(procs, outputs):
+            if p.returncode != 0:
+                raise RuntimeError(f"{name} failed:\n{out[-3000:]}")
+        return statistics.fmean(seconds_per_microbatch(d, m) for d in dirs)
 
 
 def predicted(model: dict, configs: list, stage_samples: list[dict]) -> dict:
@@ -128,13 +154,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--iters", type=int, default=40, help="training iterations per run")
     parser.add_argument("--quick", action="store_true", help="tiny model, PP=1 and 2bw m=4, one repeat")
     parser.add_argument("--balance", action="store_true",
-                        help="16-layer model: even and uneven first/last-stage layer counts at PP=2, m=4")
+                        help="deeper model: even and uneven first/last-stage layer counts at PP=2, m=4")
+    parser.add_argument("--layers", type=int, default=16,
+                        help="--balance: transformer layers (odd: the loss counts as a layer in the split)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--stage-reps", type=int, default=3, help="timed batches per stage-cost run")
     args = parser.parse_args(argv)
     model, configs = (QUICK_MODEL, QUICK_CONFIGS) if args.quick else (FULL_MODEL, CONFIGS)
     if args.balance:
-        model, configs = BALANCE_MODEL, BALANCE_CONFIGS
+        model, configs = dict(BALANCE_MODEL, layers=args.layers), balance_configs(args.layers)
     repeats, iters = (1, 25) if args.quick else (args.repeats, args.iters)
     from bench.stage_costs import measure
 

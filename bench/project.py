@@ -195,15 +195,16 @@ def predict_cpu(stages: dict, configs: list[tuple]) -> dict[str, float]:
     this machine (bench/stage_costs.py): PP=1 is forward + backward + step / m; PP=2 runs the
     simulator on the schedule's action lists (1F1B and interleaved with the step collective)."""
     one = stages["pp1"][0]
-    two = stages["pp2"]
-    costs = StageCosts([s["fwd"] for s in two], [s["bwd"] for s in two], [s["opt"] for s in two],
-                       p2p=two[0].get("p2p", 0.0), sync=0.0)
+    two = stages.get("pp2")
+    costs = two and StageCosts([s["fwd"] for s in two], [s["bwd"] for s in two], [s["opt"] for s in two],
+                               p2p=two[0].get("p2p", 0.0), sync=0.0)
     out = {}
     for name, pp, m, extra in configs:
         if pp == 1:
             out[name] = one["fwd"] + one["bwd"] + one["opt"] / m
             continue
-        if "--pipeline-model-parallel-layout" in extra or "--decoder-first-pipeline-num-layers" in extra:
+        if not costs or {"--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                         "--account-for-loss-in-pipeline-split"} & set(extra):
             continue  # uneven layouts: the measured stage costs are for the even split
         schedule = ("2bw" if "2bw" in extra else
                     "interleaved-1f1b" if "--num-virtual-stages-per-pipeline-rank" in extra else "1f1b")

@@ -102,14 +102,15 @@ def make_spec(model: dict, schedule: str, pp: int, m: int):
 
 
 def measure(model: dict, reps: int = 3, m: int = 4, timeout_s: float = 900.0) -> dict:
-    """Median per-stage costs (seconds) at PP=1 and PP=2: {"pp1": [...], "pp2": [...]}."""
+    """Median per-stage costs (seconds) at PP=1 and PP=2: {"pp1": [...], "pp2": [...]}
+    (PP=1 only for an odd number of layers, which has no even split)."""
     import importlib
 
     from megatron_async.testing.multiprocess import run_distributed
 
     rank_fn = importlib.import_module("bench.stage_costs").stage_timing_rank
     out = {}
-    for key, pp in (("pp1", 1), ("pp2", 2)):
+    for key, pp in (("pp1", 1), ("pp2", 2))[:1 if model["layers"] % 2 else 2]:
         spec = make_spec(model, "no-pipelining" if pp == 1 else "1f1b", pp, m)
         ranks = run_distributed(rank_fn, pp, spec, 1, reps, timeout_s=timeout_s)
         out[key] = [{k: v for k, v in r.items() if k != "stage"} for r in ranks]
