@@ -85,7 +85,7 @@ def plot(table: list[dict], path: str) -> str:
             continue
         left.plot([r["tokens"] for r in mine], [100 * r["relative_gap"] for r in mine], marker="o", color=colour,
                   label=opt)
-        for name, style in (("EF", "-"), ("DC-ASGD", ":"), ("prediction", "--")):
+        for name, style in (("EF", "-"), ("DC-ASGD", ":"), ("prediction", "--"), ("Nesterov", "-.")):
             pts = [(r["tokens"], 100 * r["recovered"][name]) for r in mine if name in r["recovered"]]
             if pts:
                 right.plot(*zip(*pts), marker="o", linestyle=style, color=colour, label=f"{opt}, {name}")
