@@ -175,24 +175,34 @@ def main(argv=None) -> dict:
         stage_samples.append(measure(model, reps=1 if args.quick else args.stage_reps))
     median = {name: statistics.median(values) for name, values in times.items()}
     bound = median["pp1_m4"] / 2
+    # two PP=1 jobs at once: what 2 busy cores give a whole model, so the same load as a pipeline
+    same_load = median.get("pp1_m4_x2")
     result = {
         "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "model": model, "iters": iters, "repeats": repeats,
         "command": "python -m bench.pipeline_throughput " + " ".join(argv if argv is not None else sys.argv[1:]),
         "s_per_microbatch": median, "runs": times,
-        "efficiency": {name: bound / t for name, t in median.items() if name != "pp1_m4"},
+        "efficiency": {name: bound / t for name, t in median.items() if not name.startswith("pp1_")},
+        "efficiency_same_load": {} if same_load is None else {
+            name: same_load / 2 / t for name, t in median.items() if not name.startswith("pp1_")},
         **predicted(model, configs, stage_samples),
     }
     return emit(result, report(result), args.json)
 
 
 def report(r: dict) -> str:
-    lines = ["| configuration | s / microbatch (median) | efficiency vs PP=1 / 2 | predicted | predicted / measured |",
-             "| --- | --- | --- | --- | --- |"]
+    """Markdown table; with pp1_m4_x2 a column for the bound under the same two-core load."""
+    same = r.get("efficiency_same_load") or {}
+    pct = lambda e: "-" if e is None else f"{100 * e:.0f}%"  # noqa: E731
+    lines = ["| configuration | s / microbatch (median) | runs | efficiency vs PP=1 / 2 |"
+             + (" vs two PP=1 at once / 2 |" if same else "") + " predicted | predicted / measured |",
+             "| --- | --- | --- | --- |" + (" --- |" if same else "") + " --- | --- |"]
     for name, t in r["s_per_microbatch"].items():
-        eff, pred = r["efficiency"].get(name), r["predicted"].get(name)
-        lines.append(f"| {name} | {t:.4f} | {'-' if eff is None else f'{100 * eff:.0f}%'} | "
-                     f"{'-' if pred is None else f'{pred:.4f}'} | {'-' if pred is None else f'{pred / t:.2f}'} |")
+        pred = r["predicted"].get(name)
+        runs = ", ".join(f"{x:.4f}" for x in r["runs"][name])
+        lines.append(f"| {name} | {t:.4f} | {runs} | {pct(r['efficiency'].get(name))} |"
+                     + (f" {pct(same.get(name))} |" if same else "")
+                     + f" {'-' if pred is None else f'{pred:.4f}'} | {'-' if pred is None else f'{pred / t:.2f}'} |")
     return "\n".join(lines)
 
 

@@ -84,3 +84,18 @@ def test_quick_torch_pipelining_reports_its_schedules(tmp_path):
     assert set(result["s_per_microbatch"]) == {"pp1_m4", "1f1b_m4", "zbv_m4"} and not result["errors"]
     assert all(t > 0 for t in result["s_per_microbatch"].values())
     assert result["split_backward_overhead"] > -1
+
+
+def test_quick_stage_breakdown_times_each_rank_inside_its_iterations(tmp_path):
+    from bench import stage_breakdown
+
+    result = stage_breakdown.main(["--quick", "--json", str(tmp_path / "breakdown.json")])
+    assert set(result["busy"]) == {"pp1_m4", "2bw_m4_2+1+loss"}
+    for name, (run,) in result["runs"].items():
+        assert len(run["ranks"]) == (1 if name.startswith("pp1") else 2)
+        for rank in run["ranks"]:
+            assert rank["forward"] > 0 and rank["backward"] > 0 and rank["step"] > 0, (name, rank)
+            # forward, backward and step are timed inside the same iterations: their sum
+            # cannot exceed the iterations' wall time (5% for timer granularity)
+            assert 0 < rank["busy"] <= 1.05, (name, rank)
+    assert "2bw_m4_2+1+loss" in result["efficiency_vs_pp1_busy"]
