@@ -120,12 +120,13 @@ def worker(argv: list[str], out: str) -> int:
 
 # --- the driver ------------------------------------------------------------------
 def configs(layers: int) -> list[tuple]:
-    """PP=1 and, at PP=2, m=4: Megatron's 1F1B and 2bw, split as docs/benchmarks.md's
-    balance run found best (odd depths count the loss as a layer)."""
-    two_bw = ["--pipeline-schedule", "2bw"]
-    split = ["--account-for-loss-in-pipeline-split"] if layers % 2 else []
-    name = f"{(layers + 1) // 2}+{(layers - 1) // 2}+loss" if layers % 2 else f"{layers // 2}+{layers // 2}"
-    return [("pp1_m4", 1, 4, []), (f"1f1b_m4_{name}", 2, 4, split), (f"2bw_m4_{name}", 2, 4, two_bw + split)]
+    """PP=1 and, at PP=2, m=4: Megatron's 1F1B and 2bw at the first (most even) split of
+    bench/pipeline_throughput.py's balance run (odd depths count the loss as a layer)."""
+    from bench.pipeline_throughput import balance_configs
+
+    candidates = balance_configs(layers)
+    first = lambda prefix: next(c for c in candidates if c[0].startswith(prefix))  # noqa: E731
+    return [first("pp1_m4"), first("1f1b_"), first("2bw_")]
 
 
 def run(model: dict, config: tuple, iters: int) -> list[dict]:
