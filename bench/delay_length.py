@@ -8,6 +8,11 @@ relative to the sync loss, and the share of the gap each correction recovers, wi
 the targets of the issue at the longest length (Muon's gap < 2% of its sync loss,
 AdamW's gap >= 3x Muon's, EF recovering >= 50% of Muon's gap).
 
+Learning rates can be re-tuned per length: pass several summaries of the same
+length (one per learning rate) and each (optimizer, length) keeps all its rows,
+the one with the lowest sync loss marked tuned. The targets and the plot read the
+tuned rows, so the choice is made by the sync loss alone, never by the gap.
+
     .venv/bin/python -m bench.delay_length out/len150/summary.json out/len600/summary.json \\
         --plot docs/img/delay_length.png --json out/delay_length.json
 """
@@ -34,11 +39,21 @@ def rows(summaries: list[dict]) -> list[dict]:
                             async_=row["async"]["mean"], gap=row["gap"], relative_gap=row["gap"] / sync,
                             seeds=len(row["sync"]["runs"]),
                             recovered={CORRECTIONS[m]: v for m, v in row.get("recovered", {}).items()}))
-    return sorted(out, key=lambda r: (r["optimizer"], r["iters"]))
+    out.sort(key=lambda r: (r["optimizer"], r["iters"], r["lr"]))
+    for row in out:
+        rivals = [r for r in out if (r["optimizer"], r["iters"]) == (row["optimizer"], row["iters"])]
+        row["tuned"] = row is min(rivals, key=lambda r: r["sync"])
+    return out
+
+
+def tuned(table: list[dict]) -> list[dict]:
+    """The rows at each (optimizer, length)'s best sync learning rate."""
+    return [r for r in table if r["tuned"]]
 
 
 def targets(table: list[dict]) -> dict:
-    """The issue's targets at the longest length that has both AdamW and Muon."""
+    """The issue's targets at the longest length that has both AdamW and Muon, at their tuned rates."""
+    table = tuned(table)
     lengths = {r["iters"] for r in table if r["optimizer"] == "adam"} & {r["iters"] for r in table
                                                                           if r["optimizer"] == "muon"}
     if not lengths:
@@ -50,20 +65,25 @@ def targets(table: list[dict]) -> dict:
             "adam_over_muon_gap": adam["gap"] / muon["gap"] if muon["gap"] else float("inf"),
             "adam_gap_at_least_3x": muon["gap"] <= 0 or adam["gap"] >= 3 * muon["gap"],
             "ef_recovers_muon": muon["recovered"].get("EF"),
-            "ef_recovers_at_least_half": (muon["recovered"].get("EF") or 0) >= 0.5}
+            "ef_recovers_at_least_half": (muon["recovered"].get("EF") or 0) >= 0.5,
+            "adam_lr": adam["lr"], "muon_lr": muon["lr"]}
 
 
 def report(table: list[dict], goal: dict) -> str:
     names = sorted({k for r in table for k in r["recovered"]})
+    retuned = any(not r["tuned"] for r in table)
     lines = ["| optimizer | steps | tokens | lr | sync | async | gap | gap / sync |"
              + "".join(f" {n} recovers |" for n in names),
              "| --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(names)]
     for r in table:
         rec = "".join(f" {100 * r['recovered'][n]:.0f}% |" if n in r["recovered"] else " – |" for n in names)
-        lines.append(f"| {r['optimizer']} | {r['iters']} | {r['tokens'] / 1e6:.2f}M | {r['lr']:g} | {r['sync']:.4f} | "
+        lr = f"**{r['lr']:g}**" if retuned and r["tuned"] else f"{r['lr']:g}"
+        lines.append(f"| {r['optimizer']} | {r['iters']} | {r['tokens'] / 1e6:.2f}M | {lr} | {r['sync']:.4f} | "
                      f"{r['async_']:.4f} | {r['gap']:+.4f} | {100 * r['relative_gap']:.1f}% |" + rec)
+    if retuned:
+        lines += ["", "Bold: the learning rate with the lowest sync loss at that length (the targets use it)."]
     if goal:
-        lines += ["", f"Targets at {goal['iters']} steps: Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "
+        lines += ["", f"Targets at {goal['iters']} steps (AdamW {goal['adam_lr']:g}, Muon {goal['muon_lr']:g}): Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "
                       f"sync loss (target < 2%: {'met' if goal['muon_relative_gap_below_2pct'] else 'not met'}); "
                       f"AdamW's gap {goal['adam_over_muon_gap']:.1f}x Muon's (target >= 3x: "
                       f"{'met' if goal['adam_gap_at_least_3x'] else 'not met'}); EF recovers "
@@ -79,6 +99,7 @@ def plot(table: list[dict], path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    table = tuned(table)
     for opt, colour in (("adam", "tab:red"), ("muon", "tab:blue"), ("lion", "tab:olive"), ("soap", "tab:purple")):
         mine = [r for r in table if r["optimizer"] == opt]
         if not mine:

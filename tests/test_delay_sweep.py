@@ -70,3 +70,32 @@ def test_fixed_lr_parses_and_bad_values_name_the_flag(capsys):
         with pytest.raises(SystemExit):
             parse(["--lr", bad])
         assert "--lr" in capsys.readouterr().err, bad
+
+
+def _summary(iters, opt, lr, sync, async_, ef):
+    runs = lambda v: {"mean": v, "runs": [v, v]}
+    return {"model": {"iters": iters, "global_batch_size": 16, "seq_length": 128},
+            "table": {opt: {"best_lr": lr, "sync": runs(sync), "async": runs(async_), "async+ef": runs(ef),
+                            "gap": async_ - sync, "recovered": {"async+ef": (async_ - ef) / (async_ - sync)}}}}
+
+
+def test_length_report_picks_each_lengths_rate_by_sync_loss_alone(tmp_path):
+    """Re-tuning per length: of two Muon rates at one length, the targets read the one
+    with the lower sync loss, whichever has the smaller gap."""
+    from bench import delay_length
+
+    adam = _summary(2400, "adam", 0.002, 4.2, 4.8, 4.3)
+    for low_sync_lr in (0.016, 0.008):
+        muon = [_summary(2400, "muon", lr, 4.00 if lr == low_sync_lr else 4.05, 4.2 if lr == 0.016 else 4.1, 4.1)
+                for lr in (0.016, 0.008)]
+        paths = []
+        for i, s in enumerate([adam, *muon]):
+            paths.append(tmp_path / f"s{i}.json")
+            paths[-1].write_text(json.dumps(s))
+        result = delay_length.main([str(p) for p in paths])
+        muon_rows = [r for r in result["rows"] if r["optimizer"] == "muon"]
+        assert len(muon_rows) == 2 and sum(r["tuned"] for r in muon_rows) == 1
+        chosen = next(r for r in muon_rows if r["tuned"])
+        assert chosen["lr"] == low_sync_lr == result["targets"]["muon_lr"]
+        adam_row = next(r for r in result["rows"] if r["optimizer"] == "adam")
+        assert result["targets"]["adam_over_muon_gap"] == adam_row["gap"] / chosen["gap"]
