@@ -176,11 +176,15 @@ def main(argv=None) -> int:
                                               archive))
 
     results: dict = {}
-    run(searches)
-    best_lr = {o: min(grids[o], key=lambda lr: sum(results[run_name(o, lr, "sync", s)]["final_val_loss"]
-                                                    for s in search_seeds)) for o in optimizers}
+    # only a search with a choice to make must finish first; a fixed lr's sync runs join the rest
+    choosing = [r for r in searches if len(grids[r.optimizer]) > 1]
+    run(choosing)
+    best_lr = {o: grids[o][0] if len(grids[o]) == 1 else
+               min(grids[o], key=lambda lr: sum(results[run_name(o, lr, "sync", s)]["final_val_loss"]
+                                                for s in search_seeds)) for o in optimizers}
     print("best sync learning rates: " + ", ".join(f"{o} {lr:g}" for o, lr in best_lr.items()), flush=True)
-    planned = [Run(run_name(o, best_lr[o], m, s), o, best_lr[o], m, s) for o in optimizers for m in modes for s in seeds]
+    planned = [r for r in searches if r not in choosing]
+    planned += [Run(run_name(o, best_lr[o], m, s), o, best_lr[o], m, s) for o in optimizers for m in modes for s in seeds]
     for opt in twin_opts:
         planned += twin_runs(opt, best_lr[opt])
     planned += [Run(run_name(o, lr, "async", s), o, lr, "async", s)
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
     planned += [Run(momentum_run_name(best_lr["muon"], m, mode, s), "muon", best_lr["muon"], mode, s,
                     extra=["--muon-momentum", f"{m:g}"]) for m in momenta for mode in ("sync", "async") for s in seeds]
     unique = {r.name: r for r in planned if r.name not in results}
-    run(list(unique.values()))
+    run(sorted(unique.values(), key=lambda r: r.seed))  # seed 0 of every cell first: an early full picture
 
     table = summarise(grids, best_lr, results, seeds, search_seeds, modes)
     twins = [twin_comparison(o, best_lr[o], results) for o in twin_opts]

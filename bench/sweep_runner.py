@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import ctypes
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -102,6 +104,13 @@ def _final_val_loss(records):
     return final[-1] if final else [r["val_loss"] for r in records if "val_loss" in r][-1]
 
 
+def _die_with_parent() -> None:
+    """Linux: the run gets SIGTERM when the sweep's thread that started it dies, so a
+    killed sweep leaves no training job behind (torchrun passes it to its workers)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, archive: Path | None = None) -> dict:
     """Run one training job unless its result.json exists (in the run directory, or as
     ARCHIVE/NAME.json: results kept in the repository, so a sweep spans sessions)."""
@@ -118,7 +127,8 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, ar
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
     with open(out / "train.log", "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              preexec_fn=_die_with_parent)
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         tail = (out / "train.log").read_text(errors="replace")[-3000:]
