@@ -118,6 +118,9 @@ def parse(argv) -> argparse.Namespace:
                    help=f"modes at the best lr, comma-separated, from {', '.join(MODES)} (sync and async always)")
     p.add_argument("--archive", default=None, metavar="DIR",
                    help="also keep each run's result as DIR/NAME.json and reuse it (commit DIR: sweeps span sessions)")
+    p.add_argument("--save-interval", type=int, default=0,
+                   help="Megatron checkpoints every this many steps, so that a run cut short (a session's end, "
+                        "--timeout) resumes at its last checkpoint on the next invocation; removed once the run ends")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
                    help="adam and muon, sync and async, 20 iterations, 1 seed, fixed lr: a smoke test")
@@ -151,6 +154,7 @@ def main(argv=None) -> int:
         grids = {o: [2e-3] for o in optimizers}
     if args.eval_interval:
         model.eval_interval = args.eval_interval
+    model.save_interval = args.save_interval
     if args.iters:
         model.iters = args.iters
         model.eval_interval = math.gcd(model.iters, model.eval_interval)

@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import ctypes
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -55,6 +56,7 @@ class Model:
     iters: int = 150
     eval_interval: int = 25
     eval_iters: int = 10
+    save_interval: int = 0  # > 0: Megatron checkpoints every this many steps; an interrupted run resumes
 
     def flags(self) -> list[str]:
         return [
@@ -121,9 +123,14 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, ar
         if path is not None and path.exists():
             return {**json.loads(path.read_text()), "skipped": True}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
+    ckpt = out / "checkpoints"
+    resume = model.save_interval > 0 and (ckpt / "latest_checkpointed_iteration.txt").exists()
+    if not resume:  # resuming, Megatron keeps the metrics up to the checkpoint and appends
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    saving = ["--save", str(ckpt), "--save-interval", str(model.save_interval)] if model.save_interval > 0 else []
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(run.nproc),
-           "-m", "megatron_async.launch", "--gpt", *run.args(model, data, out)]
+           "-m", "megatron_async.launch", "--gpt", *run.args(model, data, out), *saving,
+           *(["--load", str(ckpt)] if resume else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
     with open(out / "train.log", "w", encoding="utf-8") as log:
@@ -136,10 +143,14 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, ar
     records = [json.loads(line) for line in open(out / "metrics.jsonl", encoding="utf-8")]
     vals = [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r]
     losses = [(r["iteration"], r["lm_loss"]) for r in records if r.get("lm_loss") is not None]
+    if not losses or losses[-1][0] < model.iters:  # e.g. --exit-interval: not a result to compare
+        raise RuntimeError(f"run {run.name} stopped at iteration {losses[-1][0] if losses else 0} of "
+                           f"{model.iters}" + ("; its checkpoints are kept: run again to resume" if saving else ""))
     result = dict(name=run.name, optimizer=run.optimizer, lr=run.lr, mode=run.mode, seed=run.seed,
                   nproc=run.nproc, final_val_loss=_final_val_loss(records), val_curve=vals, train_curve=losses,
-                  seconds=round(seconds, 1), command=" ".join(cmd[1:]))
+                  seconds=round(seconds, 1), command=" ".join(cmd[1:]), resumed=resume)
     result_path.write_text(json.dumps(result))
+    shutil.rmtree(ckpt, ignore_errors=True)  # the result is kept; the checkpoints were only for resuming
     if kept is not None:
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(json.dumps(result))

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -99,3 +101,29 @@ def test_length_report_picks_each_lengths_rate_by_sync_loss_alone(tmp_path):
         assert chosen["lr"] == low_sync_lr == result["targets"]["muon_lr"]
         adam_row = next(r for r in result["rows"] if r["optimizer"] == "adam")
         assert result["targets"]["adam_over_muon_gap"] == adam_row["gap"] / chosen["gap"]
+
+
+def test_a_run_cut_short_resumes_from_its_checkpoint(small_corpus, tmp_path):
+    """--save-interval: a run stopped at a checkpoint (here by Megatron's --exit-interval,
+    as a session's end would stop it) continues from there on the next invocation, and
+    its metrics cover every step once."""
+    from bench.sweep_runner import Model, Run, execute
+
+    model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,
+                  iters=20, eval_interval=10, eval_iters=2, save_interval=10)
+    root, name = tmp_path / "out", "adam_lr0.002_async+ef_s0"
+    cut = Run(name, "adam", 0.002, "async+ef", 0, extra=["--exit-interval", "10"])
+    with pytest.raises(RuntimeError, match="stopped at iteration 10 of 20; its checkpoints are kept"):
+        execute(cut, model, small_corpus, root, 600.0)
+    run_dir = root / "runs" / name
+    assert not (run_dir / "result.json").exists()
+    first = [json.loads(line) for line in open(run_dir / "metrics.jsonl", encoding="utf-8")]
+    first = [(r["iteration"], r["lm_loss"]) for r in first if r.get("lm_loss") is not None]
+    assert [i for i, _ in first] == list(range(1, 11))
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    done = execute(Run(name, "adam", 0.002, "async+ef", 0), model, small_corpus, root, 600.0)
+    assert done["resumed"] and "--load" in done["command"]
+    assert "at iteration 10" in (run_dir / "train.log").read_text()  # Megatron loaded it, not a fresh start
+    assert [i for i, _ in done["train_curve"]] == list(range(1, 21))
+    assert [tuple(p) for p in done["train_curve"][:10]] == first
+    assert not (run_dir / "checkpoints").exists()
