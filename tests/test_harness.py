@@ -46,3 +46,26 @@ def test_hanging_rank_times_out_and_is_killed():
         run_distributed(_rank0_hangs, 2, timeout_s=8)
     assert time.monotonic() - start < 25
     assert not multiprocessing.active_children()
+
+
+def test_warm_launch_stops_the_peers_of_a_failed_rank_and_names_it():
+    """torchrun's contract, kept by the tests' launcher: one rank dies, the others are
+    stopped, the status is non-zero and the output names the rank."""
+    from megatron_async.testing.warm_launch import warm_run
+
+    start = time.monotonic()
+    proc = warm_run("megatron_async.testing.rank_exit", ["1", "3"], nproc=3, timeout_s=120)
+    assert time.monotonic() - start < 60  # the peers sleep for an hour unless stopped
+    assert proc.returncode == 3, proc.stdout
+    assert "rank 1: exiting with 3 on purpose" in proc.stdout
+    assert "warm_launch: rank 1 of 3 failed (exit code 3)" in proc.stdout
+    assert "rank 0 of 3 stopped (signal SIGTERM)" in proc.stdout and "rank 2 of 3 stopped (signal SIGTERM)" in proc.stdout
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
+
+
+def test_warm_launch_times_out_naming_the_ranks_still_running():
+    from megatron_async.testing.warm_launch import warm_run
+
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 5 s"):
+        warm_run("megatron_async.testing.rank_exit", ["7", "0"], nproc=2, timeout_s=5)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("rank")]

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from megatron_async.testing.warm_launch import warm_run
+
 CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
        "--no-rope-fusion", "--use-cpu-initialization"]
@@ -41,10 +43,8 @@ TIMEOUT_S = 300
 
 def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None):
     metrics = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, "--gpt", *CPU, *MODEL, *TRAIN, "--metrics-json", str(metrics), *extra]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    proc = warm_run(module, ["--gpt", *CPU, *MODEL, *TRAIN, "--metrics-json", str(metrics), *extra], nproc,
+                    TIMEOUT_S, env=env)
     return proc, metrics
 
 

@@ -8,8 +8,16 @@ import sys
 from typing import Sequence
 
 
-def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None) -> subprocess.CompletedProcess:
-    """Run the plugin's GPT entry in Megatron's own training loop on `nproc` local ranks."""
+def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None,
+                      warm: bool = True) -> subprocess.CompletedProcess:
+    """Run the plugin's GPT entry in Megatron's own training loop on `nproc` local ranks.
+
+    warm=True: ranks forked with Megatron imported (megatron_async.testing.warm_launch),
+    what tests use; False: torchrun itself, what benchmarks that time a run use."""
+    if warm:
+        from megatron_async.testing.warm_launch import warm_run
+
+        return warm_run("megatron_async.launch", ["--gpt", *map(str, args)], nproc, timeout_s, cwd=cwd)
     return _torchrun(["-m", "megatron_async.launch", "--gpt", *map(str, args)], nproc, timeout_s, cwd)
 
 

@@ -1,0 +1,105 @@
+"""torchrun's job for tests, from ranks forked off one process that has imported Megatron.
+
+A rank that starts from nothing spends about 7 s of CPU importing torch and
+Megatron-Core (torch._dynamo, inductor and DTensor come with it) before it trains
+a step; a suite that launches a couple of hundred ranks spends most of its time
+there. Here each rank is forked from the forkserver of
+`megatron_async.testing.multiprocess`, which has those imports done, and then runs
+the entry module as `python -m MODULE ARGS` would, with torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID). Every rank is
+still its own process with its own gloo rank; the entry (`megatron_async.launch`)
+still installs the hooks and the CPU emulation itself.
+
+Like torchrun: all ranks write to one output, the first rank that fails has the
+others stopped, and the exit status is non-zero when any rank failed; the output
+then ends with a line per rank that failed or was stopped, with its exit code. A run past its
+timeout is killed and raises TimeoutError naming the ranks still running.
+Tests of torchrun itself (a killed launcher, refusals under torchrun) keep torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from megatron_async.testing.multiprocess import _context, free_port
+
+STOP_GRACE_S = 5.0
+
+
+def _rank_main(module: str, argv: list[str], env: dict, log_path: str, cwd: str | None) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    import torch
+
+    torch.set_num_threads(1)  # the forkserver's OpenMP read its thread count before this rank's env
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _stop(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+
+
+def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
+             cwd=None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node NPROC -m MODULE ARGV` with warm ranks."""
+    ctx = _context()
+    port = free_port()
+    base = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                TORCHELASTIC_RUN_ID=f"warm-{port}", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+    argv = [str(a) for a in argv]
+    with tempfile.NamedTemporaryFile("r", prefix="warm_launch_", suffix=".log") as log:
+        procs = [ctx.Process(target=_rank_main, name=f"rank{rank}",  # not daemonic: checkpointing forks
+                             args=(module, argv, dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), log.name,
+                                   str(cwd) if cwd else None))
+                 for rank in range(nproc)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # as torchrun: one rank failed, the others are stopped
+                if time.monotonic() > deadline:
+                    running = [r for r, p in enumerate(procs) if p.is_alive()]
+                    _stop(procs)
+                    raise TimeoutError(f"ranks {running} of {nproc} did not finish within {timeout_s:.0f} s:\n"
+                                       + Path(log.name).read_text(errors="replace")[-5000:])
+                time.sleep(0.05)
+        finally:
+            stopped = [r for r, p in enumerate(procs) if p.is_alive()]
+            _stop(procs)
+        codes = [p.exitcode for p in procs]
+        out = Path(log.name).read_text(errors="replace")
+    for rank, code in enumerate(codes):
+        if code != 0:
+            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            out += f"warm_launch: rank {rank} of {nproc} {'stopped' if rank in stopped else 'failed'} ({why})\n"
+    failed = [c for r, c in enumerate(codes) if c != 0 and r not in stopped]
+    returncode = (next((c for c in failed if c > 0), 1) if failed else 0) if any(codes) else 0
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], returncode, out, None)
