@@ -83,7 +83,8 @@ def report(table: list[dict], goal: dict) -> str:
     if retuned:
         lines += ["", "Bold: the learning rate with the lowest sync loss at that length (the targets use it)."]
     if goal:
-        lines += ["", f"Targets at {goal['iters']} steps (AdamW {goal['adam_lr']:g}, Muon {goal['muon_lr']:g}): Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "
+        lines += ["", f"Targets at {goal['iters']} steps (AdamW {goal['adam_lr']:g}, Muon {goal['muon_lr']:g}): "
+                      f"Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "
                       f"sync loss (target < 2%: {'met' if goal['muon_relative_gap_below_2pct'] else 'not met'}); "
                       f"AdamW's gap {goal['adam_over_muon_gap']:.1f}x Muon's (target >= 3x: "
                       f"{'met' if goal['adam_gap_at_least_3x'] else 'not met'}); EF recovers "

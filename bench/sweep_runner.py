@@ -11,8 +11,8 @@ Shared by bench/delay_sweep.py and bench/variable_delay.py.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import ctypes
+import json
 import os
 import shutil
 import signal

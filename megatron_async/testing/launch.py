@@ -14,11 +14,12 @@ def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, c
 
     warm=True: ranks forked with Megatron imported (megatron_async.testing.warm_launch),
     what tests use; False: torchrun itself, what benchmarks that time a run use."""
+    argv = ["--gpt", *map(str, args)]
     if warm:
         from megatron_async.testing.warm_launch import warm_run
 
-        return warm_run("megatron_async.launch", ["--gpt", *map(str, args)], nproc, timeout_s, cwd=cwd)
-    return _torchrun(["-m", "megatron_async.launch", "--gpt", *map(str, args)], nproc, timeout_s, cwd)
+        return warm_run("megatron_async.launch", argv, nproc, timeout_s, cwd=cwd)
+    return _torchrun(["-m", "megatron_async.launch", *argv], nproc, timeout_s, cwd)
 
 
 def _torchrun(entry: list, nproc: int, timeout_s: float, cwd) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ still installs the hooks and the CPU emulation itself.
 
 Like torchrun: all ranks write to one output, the first rank that fails has the
 others stopped, and the exit status is non-zero when any rank failed; the output
-then ends with a line per rank that failed or was stopped, with its exit code. A run past its
-timeout is killed and raises TimeoutError naming the ranks still running.
+then ends with a line per rank that failed or was stopped, with its exit code. A
+run past its timeout is killed and raises TimeoutError naming the ranks still running.
 Tests of torchrun itself (a killed launcher, refusals under torchrun) keep torchrun.
 """
 
@@ -85,9 +85,8 @@ def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env
             while any(p.is_alive() for p in procs):
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break  # as torchrun: one rank failed, the others are stopped
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline:  # the finally below stops them
                     running = [r for r, p in enumerate(procs) if p.is_alive()]
-                    _stop(procs)
                     raise TimeoutError(f"ranks {running} of {nproc} did not finish within {timeout_s:.0f} s:\n"
                                        + Path(log.name).read_text(errors="replace")[-5000:])
                 time.sleep(0.05)
@@ -101,5 +100,5 @@ def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             out += f"warm_launch: rank {rank} of {nproc} {'stopped' if rank in stopped else 'failed'} ({why})\n"
     failed = [c for r, c in enumerate(codes) if c != 0 and r not in stopped]
-    returncode = (next((c for c in failed if c > 0), 1) if failed else 0) if any(codes) else 0
+    returncode = next((c for c in failed if c > 0), 1) if failed else 0
     return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], returncode, out, None)
