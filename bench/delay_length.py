@@ -11,7 +11,9 @@ AdamW's gap >= 3x Muon's, EF recovering >= 50% of Muon's gap).
 Learning rates can be re-tuned per length: pass several summaries of the same
 length (one per learning rate) and each (optimizer, length) keeps all its rows,
 the one with the lowest sync loss marked tuned. The targets and the plot read the
-tuned rows, so the choice is made by the sync loss alone, never by the gap.
+tuned rows, so the choice is made by the sync loss alone, never by the gap. Rates
+are compared on the seeds they all have (a rate whose second seed has not finished
+is judged against the others' first seed, not against their two-seed mean).
 
     .venv/bin/python -m bench.delay_length out/len150/summary.json out/len600/summary.json \\
         --plot docs/img/delay_length.png --json out/delay_length.json
@@ -35,14 +37,18 @@ def rows(summaries: list[dict]) -> list[dict]:
         tokens = model["iters"] * model["global_batch_size"] * model["seq_length"]
         for opt, row in summary["table"].items():
             sync = row["sync"]["mean"]
+            by_seed = dict(zip(summary.get("seeds", range(len(row["sync"]["runs"]))), row["sync"]["runs"]))
             out.append(dict(optimizer=opt, iters=model["iters"], tokens=tokens, lr=row["best_lr"], sync=sync,
                             async_=row["async"]["mean"], gap=row["gap"], relative_gap=row["gap"] / sync,
-                            seeds=len(row["sync"]["runs"]),
+                            seeds=len(row["sync"]["runs"]), sync_by_seed=by_seed,
                             recovered={CORRECTIONS[m]: v for m, v in row.get("recovered", {}).items()}))
     out.sort(key=lambda r: (r["optimizer"], r["iters"], r["lr"]))
     for row in out:
         rivals = [r for r in out if (r["optimizer"], r["iters"]) == (row["optimizer"], row["iters"])]
-        row["tuned"] = row is min(rivals, key=lambda r: r["sync"])
+        shared = set.intersection(*(set(r["sync_by_seed"]) for r in rivals))
+        row["tuned_on_seeds"] = sorted(shared)
+        row["tuned"] = row is min(rivals, key=lambda r: sum(r["sync_by_seed"][s] for s in shared) / len(shared)
+                                  if shared else r["sync"])
     return out
 
 
@@ -72,16 +78,17 @@ def targets(table: list[dict]) -> dict:
 def report(table: list[dict], goal: dict) -> str:
     names = sorted({k for r in table for k in r["recovered"]})
     retuned = any(not r["tuned"] for r in table)
-    lines = ["| optimizer | steps | tokens | lr | sync | async | gap | gap / sync |"
+    lines = ["| optimizer | steps | tokens | lr | seeds | sync | async | gap | gap / sync |"
              + "".join(f" {n} recovers |" for n in names),
-             "| --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(names)]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(names)]
     for r in table:
         rec = "".join(f" {100 * r['recovered'][n]:.0f}% |" if n in r["recovered"] else " – |" for n in names)
         lr = f"**{r['lr']:g}**" if retuned and r["tuned"] else f"{r['lr']:g}"
-        lines.append(f"| {r['optimizer']} | {r['iters']} | {r['tokens'] / 1e6:.2f}M | {lr} | {r['sync']:.4f} | "
-                     f"{r['async_']:.4f} | {r['gap']:+.4f} | {100 * r['relative_gap']:.1f}% |" + rec)
+        lines.append(f"| {r['optimizer']} | {r['iters']} | {r['tokens'] / 1e6:.2f}M | {lr} | {r['seeds']} | "
+                     f"{r['sync']:.4f} | {r['async_']:.4f} | {r['gap']:+.4f} | {100 * r['relative_gap']:.1f}% |" + rec)
     if retuned:
-        lines += ["", "Bold: the learning rate with the lowest sync loss at that length (the targets use it)."]
+        lines += ["", "Bold: the learning rate with the lowest sync loss at that length, compared on the seeds "
+                      "all its rates have (the targets use it)."]
     if goal:
         lines += ["", f"Targets at {goal['iters']} steps (AdamW {goal['adam_lr']:g}, Muon {goal['muon_lr']:g}): "
                       f"Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "

@@ -103,6 +103,27 @@ def test_length_report_picks_each_lengths_rate_by_sync_loss_alone(tmp_path):
         assert result["targets"]["adam_over_muon_gap"] == adam_row["gap"] / chosen["gap"]
 
 
+def test_length_report_compares_rates_on_the_seeds_they_share(tmp_path):
+    """A rate whose second seed has not finished is judged on seed 0 against the
+    others' seed 0, not against their two-seed mean (which seed 1 may pull down)."""
+    from bench import delay_length
+
+    def summary(lr, sync_runs):
+        s = _summary(2400, "muon", lr, sum(sync_runs) / len(sync_runs), 4.2, 4.1)
+        s["seeds"] = list(range(len(sync_runs)))
+        s["table"]["muon"]["sync"]["runs"] = sync_runs
+        return s
+
+    two_seeds, one_seed = summary(0.016, [4.05, 3.95]), summary(0.008, [4.04])  # means 4.00 and 4.04
+    paths = []
+    for i, s in enumerate([two_seeds, one_seed]):
+        paths.append(tmp_path / f"s{i}.json")
+        paths[-1].write_text(json.dumps(s))
+    rows = delay_length.main([str(p) for p in paths])["rows"]
+    assert [(r["lr"], r["tuned"], r["tuned_on_seeds"]) for r in rows] == [(0.008, True, [0]), (0.016, False, [0])]
+    assert "| 0.008 |" not in delay_length.report(rows, {}) and "| **0.008** | 1 |" in delay_length.report(rows, {})
+
+
 def test_a_run_cut_short_resumes_from_its_checkpoint(small_corpus, tmp_path):
     """--save-interval: a run stopped at a checkpoint (here by Megatron's --exit-interval,
     as a session's end would stop it) continues from there on the next invocation, and
