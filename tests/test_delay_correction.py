@@ -22,6 +22,7 @@ from megatron_async.delay_correction import DelayCorrection, ErrorFeedbackOptimi
 from megatron_async.testing.launch import torchrun_megatron
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT
+from megatron_async.testing.trajectory import assert_same_trajectory
 
 STEPS = 8
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
@@ -41,24 +42,6 @@ def ef_train_entry(rank, world_size, spec, iterations, ef_lambda):
 
 def _run(world, spec, ef_lambda, steps=STEPS):
     return run_distributed(ef_train_entry, world, spec, steps, ef_lambda)
-
-
-def _assert_same(ref, results, rtol=1e-6, atol=1e-6, loss_rtol=None, exact=False):
-    losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
-    if exact:
-        assert losses == ref["losses"]
-    else:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=loss_rtol or rtol, atol=0.0)
-    seen = set()
-    for r in results:
-        for name, value in r["params"].items():
-            if exact:
-                assert torch.equal(value, ref["params"][name]), f"rank {r['rank']} {name} differs"
-            else:
-                torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
-                                           msg=lambda m: f"rank {r['rank']} {name}: {m}")
-            seen.add(name)
-    assert seen == set(ref["params"])
 
 
 # --- the rule, without Megatron ----------------------------------------------------
@@ -149,17 +132,17 @@ def test_lambda_zero_is_bitwise_the_plain_optimizer(opt):
     spec = TinyGPT(simulated_delay=1, **COMMON, **(MUON if opt == "muon" else {}))
     (plain,) = _run(1, spec, None)
     (zero,) = _run(1, spec, 0.0)
-    _assert_same(plain, [zero], exact=True)
+    assert_same_trajectory(plain, [zero], 0.0, 0.0, exact=True)
     (one,) = _run(1, spec, 1.0)
     with pytest.raises(AssertionError):
-        _assert_same(plain, [one])
+        assert_same_trajectory(plain, [one], 1e-6, 1e-6)
 
 
 def test_lambda_zero_is_bitwise_with_the_distributed_optimizer():
     spec = TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON)
     plain = _run(2, spec, None)
     zero = _run(2, spec, 0.0)
-    _assert_same(plain[0], zero, exact=True)
+    assert_same_trajectory(plain[0], zero, 0.0, 0.0, exact=True)
 
 
 @pytest.mark.parametrize("opt", ["adam", "muon"])
@@ -167,13 +150,13 @@ def test_2bw_with_ef_equals_simulated_delay_with_ef(opt):
     extra = MUON if opt == "muon" else {}
     (ref,) = _run(1, TinyGPT(simulated_delay=1, **COMMON, **extra), 1.0)
     results = _run(2, TinyGPT(pp=2, schedule="2bw", **COMMON, **extra), 1.0)
-    _assert_same(ref, results)
+    assert_same_trajectory(ref, results, 1e-6, 1e-6)
 
 
 def test_ef_with_data_parallel_distributed_optimizer():
     (ref,) = _run(1, TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON), 1.0)
     results = _run(2, TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON), 1.0)
-    _assert_same(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+    assert_same_trajectory(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
 
 
 def test_ef_with_layer_wise_distributed_muon():
@@ -183,7 +166,7 @@ def test_ef_with_layer_wise_distributed_muon():
     lw = dict(MUON, extra_optimizer_config=dict(MUON["extra_optimizer_config"], **LAYER_WISE))
     (ref,) = _run(1, TinyGPT(simulated_delay=1, **COMMON, **lw), 1.0)
     results = run_distributed(ef_train_entry, 2, TinyGPT(simulated_delay=1, **COMMON, **lw), STEPS, 1.0)
-    _assert_same(ref, results, LAYOUT_RTOL, 2e-3, LAYOUT_LOSS_RTOL)  # atol: 10% of one Adam step at lr 2e-2
+    assert_same_trajectory(ref, results, LAYOUT_RTOL, 2e-3, LAYOUT_LOSS_RTOL)  # atol: 10% of one Adam step at lr 2e-2
 
 
 # --- in Megatron's training loop ------------------------------------------------------

