@@ -17,6 +17,9 @@ is judged against the others' first seed, not against their two-seed mean).
 
     .venv/bin/python -m bench.delay_length out/len150/summary.json out/len600/summary.json \\
         --plot docs/img/delay_length.png --json out/delay_length.json
+
+`--archive DIR` reads the runs kept in the repository instead (bench/archive_summary.py):
+every learning rate and seed that has run at that length, no training needed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench import archive_summary
 from bench.delay_sweep_report import CORRECTIONS
 from bench.results import emit
 
@@ -122,7 +126,10 @@ def plot(table: list[dict], path: str) -> str:
              title="one-step delay gap vs training length")
     right.set(xscale="log", xlabel="tokens seen", ylabel="% of the gap recovered", title="corrections")
     right.axhline(50, color="grey", lw=0.8)
+    ticks = sorted({(r["tokens"], r["iters"]) for r in table})
     for ax in (left, right):
+        ax.set_xticks([t for t, _ in ticks], [f"{t / 1e6:.2f}M\n{n} steps" for t, n in ticks])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -134,15 +141,21 @@ def plot(table: list[dict], path: str) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("summaries", nargs="+", help="summary.json of bench/delay_sweep.py runs of different --iters")
+    ap.add_argument("summaries", nargs="*", help="summary.json of bench/delay_sweep.py runs of different --iters")
+    ap.add_argument("--archive", action="append", default=[], metavar="DIR",
+                    help="a bench/delay_sweep.py --archive directory (repeatable): every rate and seed kept there")
     ap.add_argument("--plot")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    table = rows([json.loads(Path(p).read_text()) for p in args.summaries])
+    if not args.summaries and not args.archive:
+        ap.error("give summary.json files or --archive directories")
+    table = rows([json.loads(Path(p).read_text()) for p in args.summaries]
+                 + [s for d in args.archive for s in archive_summary.summaries(Path(d))])
     goal = targets(table)
     if args.plot:
         plot(table, args.plot)
-    return emit({"rows": table, "targets": goal, "summaries": args.summaries}, report(table, goal), args.json)
+    return emit({"rows": table, "targets": goal, "summaries": args.summaries, "archives": args.archive},
+                report(table, goal), args.json)
 
 
 if __name__ == "__main__":

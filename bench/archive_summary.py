@@ -1,0 +1,49 @@
+"""Delay-sweep summaries rebuilt from an archive of runs, one per learning rate.
+
+bench/delay_sweep.py keeps every finished run in `--archive DIR` (in the
+repository), one JSON per run. A sweep's summary.json covers one learning rate
+per optimizer and only the seeds it was asked for; the archive holds every rate
+and seed that ever ran at that length. This groups the archived runs by
+(optimizer, learning rate) and summarises each group over the seeds that have both
+a sync and a delayed run, with the corrections every one of those seeds has, so a
+table built from it shows what has run, partial cells included (their seed count
+says so), and a doc's table can be checked against it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from bench.delay_sweep import summarise
+from bench.sweep_runner import run_name
+
+
+def _flag(command: str | list[str], name: str) -> int:
+    words = command.split() if isinstance(command, str) else command
+    return int(words[words.index(name) + 1])
+
+
+def summaries(directory: Path) -> list[dict]:
+    """One delay_sweep-shaped summary per (optimizer, lr) with a sync and a delayed run."""
+    groups: dict[tuple[str, float], dict[str, dict]] = defaultdict(dict)
+    for path in sorted(Path(directory).glob("*.json")):
+        run = json.loads(path.read_text())
+        if path.stem == run_name(run["optimizer"], run["lr"], run["mode"], run["seed"]):  # not a twin or momentum run
+            groups[(run["optimizer"], run["lr"])][path.stem] = run
+    out = []
+    for (opt, lr), runs in sorted(groups.items()):
+        have = {(r["mode"], r["seed"]) for r in runs.values()}
+        seeds = sorted(s for m, s in have if m == "sync" and ("async", s) in have)
+        if not seeds:
+            continue
+        corrections = sorted({m for m, _ in have} - {"sync", "async"})
+        modes = ["sync", "async"] + [m for m in corrections if all((m, s) in have for s in seeds)]
+        command = next(iter(runs.values()))["command"]
+        model = {"iters": _flag(command, "--train-iters"), "global_batch_size": _flag(command, "--global-batch-size"),
+                 "seq_length": _flag(command, "--seq-length")}
+        table = summarise({opt: [lr]}, {opt: lr}, runs, seeds, seeds[:1], modes)
+        out.append({"model": model, "seeds": seeds, "table": table, "archive": str(directory)})
+    return out
+

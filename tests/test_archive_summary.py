@@ -1,0 +1,45 @@
+"""Summaries rebuilt from archived runs (bench/archive_summary.py), and the length
+table of docs/reproduction.md checked against the runs kept in bench/archive."""
+
+import json
+from pathlib import Path
+
+from bench import archive_summary, delay_length
+from bench.sweep_runner import run_name
+
+ROOT = Path(__file__).resolve().parents[1]
+LENGTHS = ("shakespeare_150", "shakespeare_600", "shakespeare_2400")
+
+
+def _archive(tmp_path, losses: dict) -> Path:
+    for (opt, lr, mode, seed), loss in losses.items():
+        command = "--standalone -m megatron_async.launch --train-iters 600 --global-batch-size 16 --seq-length 128"
+        (tmp_path / f"{run_name(opt, lr, mode, seed)}.json").write_text(json.dumps(
+            dict(optimizer=opt, lr=lr, mode=mode, seed=seed, final_val_loss=loss, command=command)))
+    return tmp_path
+
+
+def test_each_rate_is_summarised_over_the_seeds_that_have_both_a_sync_and_a_delayed_run(tmp_path):
+    runs = {("muon", 0.016, m, s): 4.0 + (m != "sync") * 0.2 + s * 0.01 for m in ("sync", "async") for s in (0, 1)}
+    runs[("muon", 0.016, "async+ef", 0)] = 4.1  # EF has seed 0 only: no EF column for the 2-seed cell
+    runs.update({("muon", 0.008, "sync", 0): 3.9, ("muon", 0.008, "async", 0): 4.0, ("muon", 0.008, "sync", 1): 3.8,
+                 ("adam", 0.001, "sync", 0): 5.0})  # a sync-only rate has no gap and no row
+    out = archive_summary.summaries(_archive(tmp_path, runs))
+    got = {(s["table"][o]["best_lr"], tuple(s["seeds"]), tuple(k for k in s["table"][o] if "async" in k or k == "sync"))
+           for s in out for o in s["table"]}
+    assert got == {(0.008, (0,), ("sync", "async")), (0.016, (0, 1), ("sync", "async"))}
+    assert all(s["model"] == {"iters": 600, "global_batch_size": 16, "seq_length": 128} for s in out)
+
+
+def test_the_length_table_in_the_docs_is_what_the_archived_runs_give():
+    """Every row and the targets line of the length table in docs/reproduction.md are
+    what bench.delay_length prints for bench/archive; a run added to the archive
+    without the doc being rebuilt fails here."""
+    argv = [a for name in LENGTHS for a in ("--archive", str(ROOT / "bench" / "archive" / name))]
+    result = delay_length.main(argv)
+    text = delay_length.report(result["rows"], result["targets"])
+    doc = (ROOT / "docs" / "reproduction.md").read_text()
+    lines = [line for line in text.splitlines() if line.startswith(("| adam", "| muon", "Targets at"))]
+    assert len(lines) >= 7
+    missing = [line for line in lines if line not in doc]
+    assert not missing, "docs/reproduction.md lacks, or has other numbers than:\n" + "\n".join(missing)
