@@ -98,9 +98,11 @@ def report(table: list[dict], goal: dict) -> str:
                       f"Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "
                       f"sync loss (target < 2%: {'met' if goal['muon_relative_gap_below_2pct'] else 'not met'}); "
                       f"AdamW's gap {goal['adam_over_muon_gap']:.1f}x Muon's (target >= 3x: "
-                      f"{'met' if goal['adam_gap_at_least_3x'] else 'not met'}); EF recovers "
-                      + (f"{100 * goal['ef_recovers_muon']:.0f}%" if goal["ef_recovers_muon"] is not None else "–")
-                      + f" of Muon's gap (target >= 50%: {'met' if goal['ef_recovers_at_least_half'] else 'not met'})."]
+                      f"{'met' if goal['adam_gap_at_least_3x'] else 'not met'}); "
+                      + (f"EF recovers {100 * goal['ef_recovers_muon']:.0f}% of Muon's gap (target >= 50%: "
+                         f"{'met' if goal['ef_recovers_at_least_half'] else 'not met'})."
+                         if goal["ef_recovers_muon"] is not None else
+                         "EF on Muon at this rate: not run yet (target >= 50%).")]
     return "\n".join(lines)
 
 
