@@ -22,7 +22,8 @@ import torch
 from megatron_async.delay_correction import DC_BETA, DC_EPS, DelayCorrectedOptimizer
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT
-from test_delay_correction import _assert_same, _OneTorchOptimizer  # the same comparison and stand-in
+from megatron_async.testing.trajectory import assert_same_trajectory
+from test_delay_correction import _OneTorchOptimizer  # the same stand-in
 
 STEPS = 8
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
@@ -66,16 +67,16 @@ def test_dc_asgd_lambda_zero_is_bitwise_the_plain_optimizer():
     spec = TinyGPT(simulated_delay=1, **COMMON)
     (plain,) = run_distributed(dc_train_entry, 1, spec, STEPS, None)
     (zero,) = run_distributed(dc_train_entry, 1, spec, STEPS, 0.0)
-    _assert_same(plain, [zero], exact=True)
+    assert_same_trajectory(plain, [zero], 0.0, 0.0, exact=True)
     (one,) = run_distributed(dc_train_entry, 1, spec, STEPS, 1.0)
     with pytest.raises(AssertionError):
-        _assert_same(plain, [one])
+        assert_same_trajectory(plain, [one], 1e-6, 1e-6)
 
 
 def test_2bw_with_dc_asgd_equals_simulated_delay_with_dc_asgd():
     (ref,) = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **COMMON), STEPS, 1.0)
     results = run_distributed(dc_train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), STEPS, 1.0)
-    _assert_same(ref, results)
+    assert_same_trajectory(ref, results, 1e-6, 1e-6)
 
 
 # --- weight prediction ---------------------------------------------------------------------
@@ -114,17 +115,17 @@ def test_prediction_stash_holds_the_predicted_weights():
 def test_prediction_alpha_zero_is_bitwise_plain_delay():
     plain = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **COMMON), STEPS, None)
     zero = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, weight_prediction=0.0, **COMMON), STEPS, None)
-    _assert_same(_merged(plain), zero, exact=True)
+    assert_same_trajectory(_merged(plain), zero, 0.0, 0.0, exact=True)
     one = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, weight_prediction=1.0, **COMMON), STEPS, None)
     with pytest.raises(AssertionError):
-        _assert_same(_merged(plain), one)
+        assert_same_trajectory(_merged(plain), one, 1e-6, 1e-6)
 
 
 def test_2bw_with_prediction_equals_simulated_delay_with_prediction():
     spec = dict(weight_prediction=1.0, **COMMON)
     (ref,) = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **spec), STEPS, None)
     results = run_distributed(dc_train_entry, 2, TinyGPT(pp=2, schedule="2bw", **spec), STEPS, None)
-    _assert_same(ref, results)
+    assert_same_trajectory(ref, results, 1e-6, 1e-6)
 
 
 # --- Nesterov look-ahead -------------------------------------------------------------------
@@ -178,16 +179,16 @@ def test_nesterov_beta_zero_is_bitwise_the_plain_optimizer():
     spec = TinyGPT(simulated_delay=1, **COMMON)
     (plain,) = run_distributed(dc_train_entry, 1, spec, STEPS, None)
     (zero,) = run_distributed(dc_train_entry, 1, spec, STEPS, 0.0, "nesterov")
-    _assert_same(plain, [zero], exact=True)
+    assert_same_trajectory(plain, [zero], 0.0, 0.0, exact=True)
     (look_ahead,) = run_distributed(dc_train_entry, 1, spec, STEPS, 0.9, "nesterov")
     with pytest.raises(AssertionError):
-        _assert_same(plain, [look_ahead])
+        assert_same_trajectory(plain, [look_ahead], 1e-6, 1e-6)
 
 
 def test_2bw_with_nesterov_equals_simulated_delay_with_nesterov():
     (ref,) = run_distributed(dc_train_entry, 1, TinyGPT(simulated_delay=1, **COMMON), STEPS, 0.9, "nesterov")
     results = run_distributed(dc_train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), STEPS, 0.9, "nesterov")
-    _assert_same(ref, results)
+    assert_same_trajectory(ref, results, 1e-6, 1e-6)
 
 
 def _merged(results: list[dict]) -> dict:
