@@ -20,8 +20,9 @@ from bench.delay_sweep import summarise
 from bench.sweep_runner import run_name
 
 
-def _flag(command: str | list[str], name: str) -> int:
-    words = command.split() if isinstance(command, str) else command
+def _flag(command: str, name: str) -> int:
+    """An integer flag's value in a run's recorded command line."""
+    words = command.split()
     return int(words[words.index(name) + 1])
 
 
@@ -44,6 +45,6 @@ def summaries(directory: Path) -> list[dict]:
         model = {"iters": _flag(command, "--train-iters"), "global_batch_size": _flag(command, "--global-batch-size"),
                  "seq_length": _flag(command, "--seq-length")}
         table = summarise({opt: [lr]}, {opt: lr}, runs, seeds, seeds[:1], modes)
-        out.append({"model": model, "seeds": seeds, "table": table, "archive": str(directory)})
+        out.append({"model": model, "seeds": seeds, "table": table})
     return out
 
