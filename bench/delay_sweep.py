@@ -15,7 +15,8 @@ weights via `--layout-invariant-init`), to show that the simulated delay is what
 the pipeline does. Optional explorations: the delay gap at every learning rate
 of the grid (`--lr-curve`) and at other Muon momenta (`--muon-momenta`);
 `--lr OPT=LR` skips the search for an optimizer (another lr, or longer runs
-with `--iters`).
+with `--iters`); `--lr-grid OPT=LR:LR` searches only the rates given (re-tuning a
+longer run next to the rate a shorter one chose).
 
 Runs are resumable (bench/sweep_runner.py). Results: OUT/summary.json,
 OUT/table.md and PNGs (bench/delay_sweep_report.py).
@@ -105,6 +106,9 @@ def parse(argv) -> argparse.Namespace:
                    help="validation every this many iterations (default 25; long runs: fewer evaluations)")
     p.add_argument("--lr", default="", metavar="OPT=LR,...",
                    help="fixed learning rates (e.g. adam=0.002,muon=0.008): no search for these optimizers")
+    p.add_argument("--lr-grid", default="", metavar="OPT=LR:LR,...",
+                   help="search these rates instead of the default grid (e.g. muon=0.004:0.008): re-tuning a "
+                        "longer run around the rate a shorter one chose; archived runs are not run again")
     p.add_argument("--parallel", type=int, default=2, help="runs at once (one core each)")
     p.add_argument("--no-twin", action="store_true", help="skip the 2bw PP=2 vs simulated-twin pairs")
     p.add_argument("--twin-optimizer", default="adam",
@@ -134,6 +138,15 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--lr: expected OPT=LR,... (e.g. adam=0.002,muon=0.008), got {args.lr!r}")
     if set(args.fixed_lr) - set(LR_GRID):
         p.error(f"--lr: unknown optimizers {sorted(set(args.fixed_lr) - set(LR_GRID))}")
+    try:
+        args.lr_grid = {o: sorted({float(v) for v in vs.split(":")})
+                        for o, vs in (item.split("=") for item in args.lr_grid.split(",") if item)}
+    except ValueError:
+        p.error(f"--lr-grid: expected OPT=LR:LR,... (e.g. muon=0.004:0.008), got {args.lr_grid!r}")
+    if set(args.lr_grid) - set(LR_GRID):
+        p.error(f"--lr-grid: unknown optimizers {sorted(set(args.lr_grid) - set(LR_GRID))}")
+    if set(args.lr_grid) & set(args.fixed_lr):
+        p.error(f"--lr-grid and --lr both name {sorted(set(args.lr_grid) & set(args.fixed_lr))}: give one")
     args.modes = list(dict.fromkeys(["sync", "async", *filter(None, args.modes.split(","))]))
     if set(args.modes) - set(MODES):
         p.error(f"--modes: unknown {sorted(set(args.modes) - set(MODES))}; choose from {', '.join(MODES)}")
@@ -145,7 +158,7 @@ def main(argv=None) -> int:
     root, data, img_dir = prepare_dirs(args.out, args.data, args.img_dir)
     model = Model()
     optimizers = args.optimizers.split(",")
-    grids = {o: [args.fixed_lr[o]] if o in args.fixed_lr else LR_GRID[o] for o in optimizers}
+    grids = {o: [args.fixed_lr[o]] if o in args.fixed_lr else args.lr_grid.get(o, LR_GRID[o]) for o in optimizers}
     seeds, search_seeds, modes = list(range(args.seeds)), list(range(args.search_seeds)), args.modes
     if args.quick:
         model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,

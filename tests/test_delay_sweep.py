@@ -74,6 +74,19 @@ def test_fixed_lr_parses_and_bad_values_name_the_flag(capsys):
         assert "--lr" in capsys.readouterr().err, bad
 
 
+def test_lr_grid_narrows_the_search_and_bad_values_name_the_flag(capsys):
+    """--lr-grid re-tunes around a rate: only the rates given are searched."""
+    from bench.delay_sweep import parse
+
+    assert parse(["--lr-grid", "adam=0.002:1e-3,muon=0.008"]).lr_grid == {"adam": [0.001, 0.002], "muon": [0.008]}
+    assert parse([]).lr_grid == {}
+    for bad in (["--lr-grid", "adam=x"], ["--lr-grid", "adam"], ["--lr-grid", "foo=0.1"],
+                ["--lr-grid", "adam=0.001:0.002", "--lr", "adam=0.002"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+        assert "--lr-grid" in capsys.readouterr().err, bad
+
+
 def _summary(iters, opt, lr, sync, async_, ef):
     runs = lambda v: {"mean": v, "runs": [v, v]}
     return {"model": {"iters": iters, "global_batch_size": 16, "seq_length": 128},
