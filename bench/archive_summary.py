@@ -26,17 +26,31 @@ def _flag(command: str, name: str) -> int:
     return int(words[words.index(name) + 1])
 
 
-def summaries(directory: Path) -> list[dict]:
-    """One delay_sweep-shaped summary per (optimizer, lr) with a sync and a delayed run."""
+def _groups(directory: Path) -> dict[tuple[str, float], dict[str, dict]]:
+    """The archived runs of each (optimizer, lr), by run name (twin and momentum runs left out)."""
     groups: dict[tuple[str, float], dict[str, dict]] = defaultdict(dict)
     for path in sorted(Path(directory).glob("*.json")):
         run = json.loads(path.read_text())
         if path.stem == run_name(run["optimizer"], run["lr"], run["mode"], run["seed"]):  # not a twin or momentum run
             groups[(run["optimizer"], run["lr"])][path.stem] = run
+    return dict(sorted(groups.items()))
+
+
+def _modes_and_seeds(runs: dict[str, dict]) -> set[tuple[str, int]]:
+    return {(r["mode"], r["seed"]) for r in runs.values()}
+
+
+def _paired_seeds(runs: dict[str, dict]) -> list[int]:
+    """The seeds with both a sync and a delayed run."""
+    have = _modes_and_seeds(runs)
+    return sorted(s for m, s in have if m == "sync" and ("async", s) in have)
+
+
+def summaries(directory: Path) -> list[dict]:
+    """One delay_sweep-shaped summary per (optimizer, lr) with a sync and a delayed run."""
     out = []
-    for (opt, lr), runs in sorted(groups.items()):
-        have = {(r["mode"], r["seed"]) for r in runs.values()}
-        seeds = sorted(s for m, s in have if m == "sync" and ("async", s) in have)
+    for (opt, lr), runs in _groups(directory).items():
+        have, seeds = _modes_and_seeds(runs), _paired_seeds(runs)
         if not seeds:
             continue
         corrections = sorted({m for m, _ in have} - {"sync", "async"})
@@ -48,3 +62,14 @@ def summaries(directory: Path) -> list[dict]:
         out.append({"model": model, "seeds": seeds, "table": table})
     return out
 
+
+def sync_only(directory: Path) -> list[dict]:
+    """The rates tried in sync alone (a re-tuning check that lost, so no delayed run
+    followed): {optimizer, lr, iters, sync_by_seed}, one per (optimizer, lr)."""
+    out = []
+    for (opt, lr), runs in _groups(directory).items():
+        sync = {r["seed"]: r["final_val_loss"] for r in runs.values() if r["mode"] == "sync"}
+        if sync and not _paired_seeds(runs):
+            iters = _flag(next(iter(runs.values()))["command"], "--train-iters")
+            out.append(dict(optimizer=opt, lr=lr, iters=iters, sync_by_seed=sync))
+    return out

@@ -19,7 +19,9 @@ is judged against the others' first seed, not against their two-seed mean).
         --plot docs/img/delay_length.png --json out/delay_length.json
 
 `--archive DIR` reads the runs kept in the repository instead (bench/archive_summary.py):
-every learning rate and seed that has run at that length, no training needed.
+every learning rate and seed that has run at that length, no training needed. A rate
+tried in sync alone (a re-tuning check, `delay_sweep --lr-grid`) has no row; the
+report compares it with the tuned row and says whether that row still wins.
 """
 
 from __future__ import annotations
@@ -61,6 +63,23 @@ def tuned(table: list[dict]) -> list[dict]:
     return [r for r in table if r["tuned"]]
 
 
+def sync_checks(table: list[dict], searched: list[dict]) -> list[dict]:
+    """Rates tried in sync alone (bench/archive_summary.sync_only) against the tuned row of
+    their (optimizer, length), on the seeds both have: `lower` says the tuned rate lost."""
+    out = []
+    for check in searched:
+        row = next((r for r in tuned(table) if (r["optimizer"], r["iters"]) == (check["optimizer"], check["iters"])),
+                   None)
+        shared = sorted(set(check["sync_by_seed"]) & set(row["sync_by_seed"])) if row else []
+        if not shared:
+            continue
+        mean = lambda by_seed: sum(by_seed[s] for s in shared) / len(shared)
+        out.append(dict(check, seeds=shared, sync=mean(check["sync_by_seed"]), tuned_lr=row["lr"],
+                        tuned_sync=mean(row["sync_by_seed"]),
+                        lower=mean(check["sync_by_seed"]) < mean(row["sync_by_seed"])))
+    return out
+
+
 def targets(table: list[dict]) -> dict:
     """The issue's targets at the longest length that has both AdamW and Muon, at their tuned rates."""
     table = tuned(table)
@@ -79,7 +98,7 @@ def targets(table: list[dict]) -> dict:
             "adam_lr": adam["lr"], "muon_lr": muon["lr"]}
 
 
-def report(table: list[dict], goal: dict) -> str:
+def report(table: list[dict], goal: dict, checks: list[dict] = ()) -> str:
     names = sorted({k for r in table for k in r["recovered"]})
     retuned = any(not r["tuned"] for r in table)
     lines = ["| optimizer | steps | tokens | lr | seeds | sync | async | gap | gap / sync |"
@@ -93,6 +112,13 @@ def report(table: list[dict], goal: dict) -> str:
     if retuned:
         lines += ["", "Bold: the learning rate with the lowest sync loss at that length, compared on the seeds "
                       "all its rates have (the targets use it)."]
+    if checks:
+        lines.append("")
+    for c in checks:
+        lines.append(f"- Sync only: {c['optimizer']} at {c['iters']} steps, lr {c['lr']:g}: {c['sync']:.4f} against "
+                     f"{c['tuned_sync']:.4f} at {c['tuned_lr']:g} (seed {', '.join(str(s) for s in c['seeds'])}): "
+                     + ("lower, so the bold rate is not the tuned one until this rate's delayed runs are in."
+                        if c["lower"] else "higher, so the bold rate stays."))
     if goal:
         lines += ["", f"Targets at {goal['iters']} steps (AdamW {goal['adam_lr']:g}, Muon {goal['muon_lr']:g}): "
                       f"Muon's gap {100 * goal['muon_relative_gap']:.1f}% of its "
@@ -153,11 +179,12 @@ def main(argv=None) -> dict:
         ap.error("give summary.json files or --archive directories")
     table = rows([json.loads(Path(p).read_text()) for p in args.summaries]
                  + [s for d in args.archive for s in archive_summary.summaries(Path(d))])
+    checks = sync_checks(table, [c for d in args.archive for c in archive_summary.sync_only(Path(d))])
     goal = targets(table)
     if args.plot:
         plot(table, args.plot)
-    return emit({"rows": table, "targets": goal, "summaries": args.summaries, "archives": args.archive},
-                report(table, goal), args.json)
+    return emit({"rows": table, "targets": goal, "sync_checks": checks, "summaries": args.summaries,
+                 "archives": args.archive}, report(table, goal, checks), args.json)
 
 
 if __name__ == "__main__":
