@@ -49,6 +49,10 @@ def momentum_run_name(lr: float, momentum: float, mode: str, seed: int) -> str:
     return run_name("muon", lr, mode, seed, f"_m{momentum:g}")
 
 
+def nesterov_sync_name(lr: float, seed: int) -> str:
+    return run_name("muon", lr, "sync", seed, "_nesterov")
+
+
 def mode_row(results: dict, names: dict[str, list[str]]) -> dict:
     """{mode: cell, ..., gap: async - sync} from the run names of each mode."""
     row = {mode: cell([results[n]["final_val_loss"] for n in runs]) for mode, runs in names.items()}
@@ -118,6 +122,10 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--muon-momenta", default="",
                    help="also run Muon sync and async at these --muon-momentum values (best lr, same seeds); "
                         "the paper links robustness to delay with higher momentum")
+    p.add_argument("--muon-nesterov-sync", action="store_true",
+                   help="also run Muon sync with Megatron's --muon-nesterov (best lr, same seeds): the sync "
+                        "baseline for --delay-correction nesterov, whose look-ahead makes heavy-ball momentum "
+                        "Nesterov's")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"modes at the best lr, comma-separated, from {', '.join(MODES)} (sync and async always)")
     p.add_argument("--archive", default=None, metavar="DIR",
@@ -175,13 +183,14 @@ def main(argv=None) -> int:
         [o for o in args.twin_optimizer.split(",") if o in optimizers] or optimizers[:1]
     curve_opts = [o for o in args.lr_curve.split(",") if o in optimizers]
     momenta = [float(m) for m in args.muon_momenta.split(",") if m] if "muon" in optimizers else []
+    nesterov_seeds = seeds if args.muon_nesterov_sync and "muon" in optimizers else []
 
     searches = [Run(run_name(o, lr, "sync", s), o, lr, "sync", s)
                 for o in optimizers for lr in grids[o] for s in search_seeds]
     reused = len(set(seeds) & set(search_seeds))  # sync runs at the best lr that the search already did
     curve_runs = sum(len(grids[o]) - 1 for o in curve_opts) * len(search_seeds)
     total = (len(searches) + len(optimizers) * (len(modes) * len(seeds) - reused) + 2 * len(twin_opts)
-             + 2 * len(seeds) * len(momenta) + curve_runs)
+             + 2 * len(seeds) * len(momenta) + curve_runs + len(nesterov_seeds))
     print(f"delay sweep: {len(searches)} lr-search runs + {len(optimizers)} optimizers x {len(modes)} modes x "
           f"{len(seeds)} seeds + {2 * len(twin_opts)} twin + {curve_runs} lr-curve + {2 * len(seeds) * len(momenta)} "
           f"momentum runs = about {total} runs, {args.parallel} at a time; GPT {model.num_layers}L/"
@@ -208,6 +217,8 @@ def main(argv=None) -> int:
                 for o in curve_opts for lr in grids[o] for s in search_seeds]
     planned += [Run(momentum_run_name(best_lr["muon"], m, mode, s), "muon", best_lr["muon"], mode, s,
                     extra=["--muon-momentum", f"{m:g}"]) for m in momenta for mode in ("sync", "async") for s in seeds]
+    planned += [Run(nesterov_sync_name(best_lr["muon"], s), "muon", best_lr["muon"], "sync", s,
+                    extra=["--muon-nesterov"]) for s in nesterov_seeds]
     unique = {r.name: r for r in planned if r.name not in results}
     run(sorted(unique.values(), key=lambda r: r.seed))  # seed 0 of every cell first: an early full picture
 
@@ -219,14 +230,18 @@ def main(argv=None) -> int:
     momentum = {f"{m:g}": mode_row(results, {mode: [momentum_run_name(best_lr["muon"], m, mode, s)
                                                           for s in seeds] for mode in ("sync", "async")})
                 for m in momenta}
+    nesterov_sync = cell([results[nesterov_sync_name(best_lr["muon"], s)]["final_val_loss"]
+                          for s in nesterov_seeds]) if nesterov_seeds else None
     summary = dict(model=model.__dict__, seeds=seeds, search_seeds=search_seeds, lr_grid=grids, table=table,
                    twin=twins, lr_curve=lr_curve, muon_momentum=momentum,
+                   muon_nesterov_sync=nesterov_sync,
                    wall_minutes_this_invocation=round((time.monotonic() - t0) / 60, 1),
                    run_seconds={n: r["seconds"] for n, r in results.items()},
                    commands={n: r["command"] for n, r in results.items()})
     (root / "summary.json").write_text(json.dumps(summary, indent=1))
     text = (report.markdown(table, twins) + report.lr_markdown(lr_curve)
-            + report.momentum_markdown(momentum, table.get("muon")))
+            + report.momentum_markdown(momentum, table.get("muon"))
+            + report.nesterov_sync_markdown(nesterov_sync, table.get("muon")))
     (root / "table.md").write_text(text)
     pngs = report.plot(table, results, seeds, img_dir) + report.plot_lr(lr_curve, img_dir)
     print(text + "plots: " + ", ".join(pngs) + f"\nsummary: {root / 'summary.json'}", flush=True)

@@ -70,6 +70,19 @@ def momentum_markdown(momentum: dict, muon_row) -> str:
     return "\n".join(lines) + "\n"
 
 
+def nesterov_sync_markdown(nesterov_sync, muon_row) -> str:
+    """Muon sync with Nesterov momentum next to the main row's sync, delayed and
+    delayed + Nesterov look-ahead: whether the look-ahead beats sync because it adds
+    Nesterov's momentum."""
+    if not nesterov_sync or not muon_row:
+        return ""
+    return "\n".join(["", "Muon sync with --muon-nesterov (same lr and seeds):", "",
+                      "| sync | sync, --muon-nesterov | async (delay 1) | async + Nesterov look-ahead |",
+                      "| --- | --- | --- | --- |",
+                      f"| {_fmt(muon_row['sync'])} | {_fmt(nesterov_sync)} | {_fmt(muon_row['async'])} | "
+                      f"{_fmt(muon_row.get('async+nesterov'))} |"]) + "\n"
+
+
 def _pyplot():
     import matplotlib
 

@@ -20,8 +20,13 @@ def _sweep(out, data, *extra):
 
 def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
     out = tmp_path / "sweep"
-    first = _sweep(out, small_corpus)
+    first = _sweep(out, small_corpus, "--muon-nesterov-sync")
     summary = json.loads((out / "summary.json").read_text())
+    # the look-ahead's sync baseline: Muon with Megatron's Nesterov momentum
+    nesterov_run = json.loads((out / "runs" / "muon_lr0.002_sync_s0_nesterov" / "result.json").read_text())
+    assert "--muon-nesterov" in nesterov_run["command"].split()
+    assert summary["muon_nesterov_sync"]["runs"] == [nesterov_run["final_val_loss"]]
+    assert "sync, --muon-nesterov" in (out / "table.md").read_text()
     assert set(summary["table"]) == {"adam", "muon"}
     for opt, row in summary["table"].items():
         for mode in ("sync", "async"):
@@ -39,8 +44,8 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
     # a second invocation finds every run done and only rebuilds the summary; with
     # --archive the results are also kept outside the run directories
     archive = tmp_path / "archive"
-    second = _sweep(out, small_corpus, "--archive", str(archive))
-    assert second.count("skipped (done before)") == 4, second
+    second = _sweep(out, small_corpus, "--archive", str(archive), "--muon-nesterov-sync")
+    assert second.count("skipped (done before)") == 5, second
     # the length report reads the summary
     from bench import delay_length
 
