@@ -142,6 +142,23 @@ def test_length_report_compares_rates_on_the_seeds_they_share(tmp_path):
     assert "| 0.008 |" not in delay_length.report(rows, {}) and "| **0.008** | 1 |" in delay_length.report(rows, {})
 
 
+def test_the_targets_give_each_seeds_own_recovery(tmp_path):
+    """EF's share of a small gap varies by seed: the targets line gives each seed's
+    share next to the share of the mean gap."""
+    from bench import delay_length
+
+    adam, muon = _summary(2400, "adam", 0.002, 4.2, 4.8, 4.3), _summary(2400, "muon", 0.008, 4.0, 4.1, 4.05)
+    muon["table"]["muon"]["sync"]["runs"] = [4.0, 4.0]
+    muon["table"]["muon"]["async"]["runs"] = [4.1, 4.1]
+    muon["table"]["muon"]["async+ef"]["runs"] = [4.08, 4.02]  # 20% and 80% of each seed's gap, 50% of the mean
+    paths = [tmp_path / "adam.json", tmp_path / "muon.json"]
+    for path, s in zip(paths, (adam, muon)):
+        path.write_text(json.dumps(s))
+    result = delay_length.main([str(p) for p in paths])
+    assert [round(v, 6) for v in result["targets"]["ef_recovers_muon_by_seed"]] == [0.2, 0.8]
+    assert "(per seed: 20%, 80%; target >= 50%" in delay_length.report(result["rows"], result["targets"])
+
+
 def test_a_run_cut_short_resumes_from_its_checkpoint(small_corpus, tmp_path):
     """--save-interval: a run stopped at a checkpoint (here by Megatron's --exit-interval,
     as a session's end would stop it) continues from there on the next invocation, and
