@@ -40,9 +40,8 @@ def _modes_and_seeds(runs: dict[str, dict]) -> set[tuple[str, int]]:
     return {(r["mode"], r["seed"]) for r in runs.values()}
 
 
-def _paired_seeds(runs: dict[str, dict]) -> list[int]:
-    """The seeds with both a sync and a delayed run."""
-    have = _modes_and_seeds(runs)
+def _paired_seeds(have: set[tuple[str, int]]) -> list[int]:
+    """The seeds with both a sync and a delayed run, of a group's (mode, seed) pairs."""
     return sorted(s for m, s in have if m == "sync" and ("async", s) in have)
 
 
@@ -50,7 +49,8 @@ def summaries(directory: Path) -> list[dict]:
     """One delay_sweep-shaped summary per (optimizer, lr) with a sync and a delayed run."""
     out = []
     for (opt, lr), runs in _groups(directory).items():
-        have, seeds = _modes_and_seeds(runs), _paired_seeds(runs)
+        have = _modes_and_seeds(runs)
+        seeds = _paired_seeds(have)
         if not seeds:
             continue
         corrections = sorted({m for m, _ in have} - {"sync", "async"})
@@ -69,7 +69,7 @@ def sync_only(directory: Path) -> list[dict]:
     out = []
     for (opt, lr), runs in _groups(directory).items():
         sync = {r["seed"]: r["final_val_loss"] for r in runs.values() if r["mode"] == "sync"}
-        if sync and not _paired_seeds(runs):
+        if sync and not _paired_seeds(_modes_and_seeds(runs)):
             iters = _flag(next(iter(runs.values()))["command"], "--train-iters")
             out.append(dict(optimizer=opt, lr=lr, iters=iters, sync_by_seed=sync))
     return out
