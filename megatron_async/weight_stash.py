@@ -19,6 +19,14 @@ stages lag by different numbers of steps, as in original PipeDream).
   autograd's version checks.
 - Before a step, the live weights are copied into the slot of the oldest version
   (which no microbatch needs any more); the step then updates the live weights.
+- The hooks cost time on every saved tensor, and only a forward whose backward
+  comes after an optimizer step needs them (`use(version, hooks=...)`): any other
+  backward runs at the same, unchanged storage its forward read, once the params
+  are pointed back to its version.
+- A saved tensor that shares storage with a weight buffer but is neither a
+  parameter nor a view of one (a kernel's own alias of the weight) cannot be
+  rebuilt at its version: the hooks raise StashAliasError naming the weight,
+  at the first forward, instead of letting its backward read newer weights.
 
 Weight prediction (`--delay-correction predict`, depth 1 only): microbatches run at
 a prediction of the weights one step ahead instead of at a stored version: version
@@ -38,10 +46,14 @@ import torch
 Version = Union[int, tuple[int, ...]]  # one version for every parameter, or one per parameter
 
 
+class StashAliasError(RuntimeError):
+    """A tensor saved for backward aliases a weight's storage in a way the stash cannot rebuild."""
+
+
 class WeightStashManager:
     """The live version plus `depth` stashed versions of one stage's parameters."""
 
-    def __init__(self, model_chunks, depth: int = 1, predict: float | None = None):
+    def __init__(self, model_chunks, depth: int = 1, predict: float | None = None, guard_aliases: bool = True):
         if depth < 1:
             raise ValueError("a weight stash needs depth >= 1 (depth 0 is plain training)")
         if predict is not None and depth != 1:
@@ -56,9 +68,15 @@ class WeightStashManager:
         self._slot_views: list[list[torch.Tensor]] = [[] for _ in range(self.slots)]
         self._slot_version: list[int] = [0] * self.slots
         self._index = {}
+        self.guard_aliases = guard_aliases
         for chunk in model_chunks:
             for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
                 self._add_buffer(buffer)
+        self._names = _param_names(model_chunks)
+        # every storage that holds some version of the weights, for the alias guard
+        self._weight_storages = {_storage_ptr(t) for t in self._live} | {
+            _storage_ptr(flat) for slot in self._slots for flat in slot}
+        self._weight_storages.discard(None)
         self._pointed = self.newest
         self.copy_live_into_stash(all_slots=True)
         if predict is not None:
@@ -110,10 +128,18 @@ class WeightStashManager:
         return sorted({self.newest, *self._slot_version})
 
     @contextlib.contextmanager
-    def use(self, version: Version) -> Iterator[None]:
-        """Run a forward at `version` (see `point_to`); its backward will see the same weights."""
+    def use(self, version: Version, hooks: bool = True) -> Iterator[None]:
+        """Run a forward at `version` (see `point_to`); its backward will see the same weights.
+
+        `hooks=False` only points the parameters: right where no optimizer step falls
+        between this forward and its backward (which must then run at the same version).
+        """
         self.point_to(version)
+        if not hooks:
+            yield
+            return
         index = self._index
+        guard = self._check_not_alias if self.guard_aliases else None
 
         def pack(tensor):
             i = index.get(id(tensor))
@@ -127,6 +153,8 @@ class WeightStashManager:
                 if i is not None and base is self.params[i]:
                     offset = tensor.storage_offset() - base.storage_offset()
                     return (i, version, (tensor.size(), tensor.stride(), offset))
+            if guard is not None:
+                guard(tensor)
             return tensor
 
         def unpack(saved):
@@ -143,6 +171,28 @@ class WeightStashManager:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+
+    def _check_not_alias(self, tensor: torch.Tensor) -> None:
+        if _storage_ptr(tensor) not in self._weight_storages:
+            return
+        name = self._owner_name(tensor)
+        raise StashAliasError(
+            f"megatron-async: a tensor saved for backward (shape {tuple(tensor.shape)}) shares the storage of "
+            f"weight {name!r} but is neither that parameter nor a view of it, so the weight stash cannot give its "
+            "backward the weights of its forward: under 2bw an optimizer step falls between the two, and the "
+            "backward would silently read the newer weights. The layer keeps its own alias of the weight (for "
+            "example a detached copy or a quantized weight sharing its storage); run it without 2bw, or make it "
+            "save the parameter itself")
+
+    def _owner_name(self, tensor: torch.Tensor) -> str:
+        """The parameter whose storage range holds `tensor`'s first element (for messages)."""
+        ptr, offset = _storage_ptr(tensor), tensor.storage_offset()
+        for i, param in enumerate(self.params):
+            for held in [self._live[i]] + [views[i] for views in self._slot_views]:
+                start = held.storage_offset()
+                if _storage_ptr(held) == ptr and start <= offset < start + max(held.numel(), 1):
+                    return self._names.get(id(param), f"parameter #{i}")
+        return "a weight buffer"
 
     # --- optimizer step -------------------------------------------------------
     @torch.no_grad()
@@ -221,3 +271,22 @@ class WeightStashManager:
                 dst.copy_(src)
         self._pointed = None
         self._point_live()
+
+
+def _storage_ptr(tensor: torch.Tensor):
+    """The address of `tensor`'s storage, or None (no storage, e.g. a wrapper subclass)."""
+    try:
+        return tensor.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _param_names(model_chunks) -> dict[int, str]:
+    """id(param) -> its name inside the model (wrapper prefixes such as DDP's 'module.' dropped)."""
+    names = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            while name.startswith("module."):
+                name = name[len("module."):]
+            names.setdefault(id(param), name)
+    return names

@@ -127,6 +127,7 @@ def _training_log(original):
 def _save_checkpoint(original):
     @functools.wraps(original)
     def hooked(iteration, *args, **kwargs):
+        runtime.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
         result = original(iteration, *args, **kwargs)
         from megatron.training import get_args
 

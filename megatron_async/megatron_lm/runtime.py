@@ -202,12 +202,19 @@ def simulated_delay(forward_backward):
             STATE.step = args.iteration
             if stash.newest != args.iteration:  # resumed from a checkpoint without a stash
                 stash.start_equal_at(args.iteration)
-        with stash.use(STATE.version_for(STATE.step)):
+        # Megatron's schedule runs the whole batch between two steps: no saved-tensor hooks needed
+        with stash.use(STATE.version_for(STATE.step), hooks=False):
             out = forward_backward(model=model, **kwargs)
         STATE.step += 1
         return out
 
     return run
+
+
+def drain() -> None:
+    """Before a checkpoint save: no point-to-point send stays unmatched over it."""
+    if STATE.runner is not None:
+        STATE.runner.drain()
 
 
 def finish() -> None:

@@ -10,7 +10,9 @@ state (activations in flight, pending sends) persists between training steps:
 next batch's warm-up forwards that precede it have already run.
 
 Nothing here communicates across pipeline stages except the point-to-point
-transfers the schedule lists.
+transfers the schedule lists. Between two training steps `drain()` matches every
+send still outstanding (a save or an evaluation must not run over an unmatched
+NCCL send); the drained receives are kept and not posted again.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class StageExecutor:
         on_batch_start: Optional[Callable[[int], None]] = None,
         prev_segment: Optional[Callable[[int], list]] = None,
         final_step: Optional[int] = None,
+        first_step: int = 0,
     ):
         """`actions`: this stage's list, consumed as it runs (a lazy stream for long runs).
         `prev_segment(t)`: the previous stage's actions up to its OptimizerStep(t) (None on
@@ -58,6 +61,7 @@ class StageExecutor:
         self.prev_segment = prev_segment
         self.final_step = final_step
         self.last_step: Optional[int] = None  # the last OptimizerStep run
+        self.first_step = first_step  # the first OptimizerStep of this run (a resumed run starts later)
         self.forwards = 0
         self.links = links
         self.stash = stash
@@ -77,6 +81,7 @@ class StageExecutor:
         self._outgoing: dict = {}
         self._inflight: dict = {}  # microbatch -> (input tensor, output tensor or loss)
         self._reports: dict = {}  # batch -> list of loss reports
+        self._drained: set = set()  # microbatches whose activation drain() received early
         self.pending_sends = PendingSends(num_microbatches)
 
     # --- compute ---------------------------------------------------------------
@@ -93,7 +98,10 @@ class StageExecutor:
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
         reports = self._reports.setdefault(k // self.m, [])
-        with self.stash.use(action.version):
+        # The stash's saved-tensor hooks only where an optimizer step falls between this
+        # forward and its backward (and on the first forward, so an alias guard fires at once).
+        hooks = k // self.m > self._next_step() or self.forwards == 1
+        with self.stash.use(action.version, hooks=hooks):
             output, _ = schedules.forward_step(
                 self.forward_step_func, self.data_for(k), self.model, self.m, input_tensor, reports, self.config,
                 self.cp_size, is_first_microbatch=k % self.m == 0, current_microbatch=k % self.m,
@@ -111,10 +119,14 @@ class StageExecutor:
         last_of_batch = k % self.m == self.m - 1
         # DDP reduces gradients only after the batch's last backward.
         sync = contextlib.nullcontext() if last_of_batch else self.model.no_sync()
-        with sync, self.stash.use(action.version):
+        with sync, self.stash.use(action.version, hooks=False):
             input_grad = schedules.backward_step(input_tensor, output, grad, self.config)
         if not self.is_first:
             self._outgoing[("grad", k)] = input_grad
+
+    def _next_step(self) -> int:
+        """The next OptimizerStep this stage runs: it applies batch `_next_step()`."""
+        return self.first_step if self.last_step is None else self.last_step + 1
 
     def _optimizer_step(self, action: OptimizerStep):
         return self.step_func(action.step)
@@ -129,10 +141,15 @@ class StageExecutor:
         return self._lookahead[0]
 
     def _comm_run(self) -> list:
-        """The communication actions up to the next compute action or the end."""
+        """The communication actions up to the next compute action or the end, less the
+        receives `drain()` has already completed."""
         run = []
         while (action := self._peek()) is not None and is_comm(action):
-            run.append(self._lookahead.popleft())
+            action = self._lookahead.popleft()
+            if isinstance(action, RecvActivation) and action.microbatch in self._drained:
+                self._drained.discard(action.microbatch)  # drain() received it already
+                continue
+            run.append(action)
         return run
 
     def _run_until(self, stop: Optional[int]) -> tuple[bool, object]:
@@ -168,26 +185,38 @@ class StageExecutor:
             raise RuntimeError(f"stage {self.links.stage}: no OptimizerStep({step}) left in its schedule")
         return self._reports.pop(step, []), result
 
-    def finish(self) -> None:
-        """Leave the pipeline clean without training any further batch.
+    def drain(self) -> None:
+        """Match every send still outstanding, between two training steps.
 
-        When training stops (its last iteration, `--exit-interval`), each stage has
-        stopped right after its OptimizerStep(t). The previous stage may already have
-        sent activations of batch t+1's warm-up forwards that this stage has not
-        received; an unmatched send can hold NCCL at exit. So this stage receives
-        exactly those (known from the previous stage's list) and drops them, then
-        waits for its own sends, which the next stage receives the same way. Only
-        receives downstream are waited for, so no cycle, hence no deadlock.
-        At the end of the list only the trailing actions (sends) are left: run them.
+        Each stage stops right after its OptimizerStep(t). The previous stage may
+        already have sent activations of batch t+1's warm-up forwards that this stage
+        has not received yet (one per stage pair in the steady state). This stage
+        receives exactly those now (known from the previous stage's list) and keeps
+        them for their forwards, whose receives are then not posted again, and waits
+        for its own sends, which the next stage receives the same way. Only receives
+        from upstream are waited for, so no cycle, hence no deadlock; and on each link
+        the early receives are the next operations in order, so NCCL's per-link
+        order is kept. Call it on every stage of the pipeline, or on none.
         """
-        if self.last_step is not None and self.last_step == self.final_step:
-            self._run_until(None)
-        elif self.last_step is not None and self.prev_segment is not None:
+        if self.last_step is not None and self.prev_segment is not None:
             first_next = (self.last_step + 1) * self.m  # batch last_step + 1's first microbatch
-            received = {k for kind, k in self._received if kind == "act"} | set(self._inflight)
+            received = {k for kind, k in self._received if kind == "act"} | set(self._inflight) | self._drained
             missing = [RecvActivation(a.microbatch, self.links.stage - 1) for a in self.prev_segment(self.last_step)
                        if isinstance(a, SendActivation) and a.microbatch >= first_next
                        and a.microbatch not in received]
             if missing:
-                post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
+                got, _ = post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
+                self._received.update(got)
+                self._drained.update(a.microbatch for a in missing)
         self.pending_sends.wait_all()
+
+    def finish(self) -> None:
+        """Leave the pipeline clean without training any further batch.
+
+        At the run's last step only the trailing actions (sends) are left: run them.
+        When training stops earlier (`--exit-interval`), drain: an unmatched send can
+        hold NCCL at exit; what the drain receives is never used.
+        """
+        if self.last_step is not None and self.last_step == self.final_step:
+            self._run_until(None)
+        self.drain()

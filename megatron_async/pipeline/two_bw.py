@@ -23,6 +23,7 @@ from megatron_async.pipeline.executor import StageExecutor
 from megatron_async.pipeline.non_finite import check_finite, report_losses, step_grad_norm
 from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
+from megatron_async.pipeline.weight_caches import disable_first_microbatch_caches
 from megatron_async.schedules.stream_2bw import TwoBWStream
 from megatron_async.weight_stash import WeightStashManager
 
@@ -75,6 +76,7 @@ class TwoBWRunner:
         stage = self.links.stage
         prev_segment = (lambda t: stream.segment(stage - 1, t - start_batch)) if stage else None
         self.stash = stash or WeightStashManager(model, depth=1)
+        disable_first_microbatch_caches(model)  # before the first forward: TE's fp8 weight cache
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         if data_for is None:
             data_for = lambda k: iter([get_microbatch(k)])  # noqa: E731
@@ -82,7 +84,7 @@ class TwoBWRunner:
             self.model, stream.actions(stage), self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
             activation_shape=activation_shape, dtype=dtype, device=self.device, on_batch_start=on_batch_start,
-            prev_segment=prev_segment, final_step=num_batches - 1,
+            prev_segment=prev_segment, final_step=num_batches - 1, first_step=start_batch,
         )
 
     def _step(self, step: int):
@@ -109,6 +111,11 @@ class TwoBWRunner:
         check_finite(step + 1, self.links.stage, None, report_losses(reports))
         return reports, result
 
+    def drain(self) -> None:
+        """Match every outstanding send before a checkpoint save or an evaluation
+        (every stage at the same step; see StageExecutor.drain)."""
+        self.executor.drain()
+
     @property
     def pending_sends(self) -> int:
         """Point-to-point sends this stage holds handles of (bounded; see PendingSends)."""
@@ -123,10 +130,12 @@ class TwoBWRunner:
         """Forward-only pass, one microbatch per iterator handed to the forward step.
 
         Uses its own process group, so it can run between two training steps while
-        training activations are still in flight.
+        training activations are still in flight; the training sends outstanding are
+        matched first, so none stays unmatched over the evaluation.
         """
         from megatron.core.utils import get_attr_wrapped_model
 
+        self.drain()
         links = self.eval_links
         first, last = links.stage == 0, links.stage == links.num_stages - 1
         set_input = get_attr_wrapped_model(self.model, "set_input_tensor")
