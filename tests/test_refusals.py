@@ -93,6 +93,18 @@ CASES = {
                                       "--nesterov-beta", "1"], "--nesterov-beta"),
     "Nesterov twice": (1, BASE + ["--simulated-delay", "1", "--delay-correction", "nesterov", "--optimizer", "muon",
                                   "--muon-nesterov"], "--muon-nesterov"),
+    "fp8 parameters": (2, BASE + TWO_BW + ["--fp8-param-gather", "--use-distributed-optimizer"],
+                       "--fp8-param-gather"),
+    "MoE all-to-all overlap": (2, BASE + TWO_BW + ["--overlap-moe-expert-parallel-comm"],
+                               "--overlap-moe-expert-parallel-comm"),
+    "expert wgrad overlap": (2, BASE + TWO_BW + ["--overlap-dispatch-backward-with-experts-wgrad"],
+                             "--overlap-dispatch-backward-with-experts-wgrad"),
+    "deferred embedding wgrad": (2, BASE + TWO_BW + ["--defer-embedding-wgrad-compute"],
+                                 "--defer-embedding-wgrad-compute"),
+    "activation offloading": (2, BASE + TWO_BW + ["--cpu-offloading-num-layers", "1"], "--cpu-offloading-num-layers"),
+    "ring-exchange p2p": (2, BASE + TWO_BW + ["--use-ring-exchange-p2p"], "--use-ring-exchange-p2p"),
+    "p2p warm-up flush overlap": (2, BASE + TWO_BW + ["--overlap-p2p-communication-warmup-flush"],
+                                  "--overlap-p2p-communication-warmup-flush"),
     "unknown delay correction": (1, BASE + ["--delay-correction", "sgd"], "--delay-correction"),
     "Newton-Schulz steps": (1, BASE + ["--optimizer", "muon", "--muon-num-ns-steps", "0"], "--muon-num-ns-steps"),
     "coefficient set": (1, BASE + ["--optimizer", "muon", "--muon-coefficient-type", "nonsense"],
@@ -161,3 +173,33 @@ def test_refused_before_training_naming_the_flag(results, name):
 @pytest.mark.parametrize("name", list(ACCEPTED))
 def test_valid_command_lines_are_accepted(results, name):
     assert not results[0][name]["refused"], results[0][name]["error"]
+
+
+# Flags Megatron's own validation refuses on the CPU (they need Transformer Engine)
+# before the plugin's check runs; on GPUs the plugin's check is what refuses them
+# under 2bw. Each goes through the plugin's validation directly, on arguments
+# parsed by Megatron's parser.
+NEED_TE = {
+    "--fp4-param-gather": ("fp4_param_gather", True),
+    "--delay-wgrad-compute": ("delay_wgrad_compute", True),
+    "--fine-grained-activation-offloading": ("fine_grained_activation_offloading", True),
+}
+
+
+def _validated_2bw_args():
+    from megatron_async.check_flags import parse, prepare
+
+    prepare()
+    return parse(BASE + TWO_BW, 2, cpu_flags=True)
+
+
+@pytest.mark.parametrize("flag", list(NEED_TE))
+def test_flags_megatron_refuses_on_cpu_are_refused_by_2bw_too(flag):
+    from megatron_async.megatron_lm.flags import FlagError, validate
+
+    args = _validated_2bw_args()
+    validate(args)  # negative control: the same arguments pass without the flag
+    name, value = NEED_TE[flag]
+    setattr(args, name, value)
+    with pytest.raises(FlagError, match=flag):
+        validate(args)

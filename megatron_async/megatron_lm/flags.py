@@ -101,6 +101,32 @@ REFUSED_UNDER_2BW = (
      "captured graphs keep the storage of the weights they captured, while 2bw switches weight versions"),
 )
 
+# Megatron flags whose kernels or schedule hooks 2bw would silently bypass or get wrong, with why.
+_STASH_WHY = ("whose storage the weight stash cannot point at another version: backwards after the next "
+              "step would read the live weights")
+_OFFLOAD_WHY = ("installs its own saved-tensor hooks, which replace the weight stash's (PyTorch applies the "
+                "innermost), so a weight view saved before a step would not be rebuilt at its version")
+_P2P_WHY = "tunes Megatron's own point-to-point code, which 2bw does not use (it posts one isend/irecv per transfer)"
+SILENTLY_WRONG_UNDER_2BW = (
+    ("fp8_param_gather", bool, "--fp8-param-gather", "keeps the weights as fp8 tensors " + _STASH_WHY),
+    ("fp4_param_gather", bool, "--fp4-param-gather", "keeps the weights as fp4 tensors " + _STASH_WHY),
+    ("delay_wgrad_compute", bool, "--delay-wgrad-compute",
+     "defers weight gradients to backward_dw(), which only Megatron's combined 1F1B schedule calls: under 2bw "
+     "they would never be computed"),
+    ("overlap_moe_expert_parallel_comm", bool, "--overlap-moe-expert-parallel-comm",
+     "runs Megatron's combined 1F1B schedule (expert all-to-alls overlapped with another microbatch), which "
+     "2bw replaces: the overlap would silently not happen"),
+    ("overlap_dispatch_backward_with_experts_wgrad", bool, "--overlap-dispatch-backward-with-experts-wgrad",
+     "defers expert weight gradients into Megatron's combined 1F1B schedule, which 2bw replaces"),
+    ("defer_embedding_wgrad_compute", bool, "--defer-embedding-wgrad-compute",
+     "defers the output layer's weight-gradient GEMMs to Megatron's pipeline flush, which 2bw does not have: "
+     "they would never be computed"),
+    ("cpu_offloading_num_layers", lambda v: (v or 0) > 0, "--cpu-offloading-num-layers", _OFFLOAD_WHY),
+    ("fine_grained_activation_offloading", bool, "--fine-grained-activation-offloading", _OFFLOAD_WHY),
+    ("use_ring_exchange_p2p", bool, "--use-ring-exchange-p2p", _P2P_WHY),
+    ("overlap_p2p_comm_warmup_flush", bool, "--overlap-p2p-communication-warmup-flush", _P2P_WHY),
+)
+
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Check our flags against Megatron's (after Megatron's validate_args filled derived values)."""
@@ -238,7 +264,7 @@ def _validate_2bw(args: argparse.Namespace) -> None:
              "all-reduce every step")
     _require(args.clip_grad_mode == "stage-local" or args.clip_grad > 0,
              "--clip-grad-mode stale-global needs --clip-grad > 0")
-    for name, refused, flag, why in REFUSED_UNDER_2BW:
+    for name, refused, flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
         _require(not refused(getattr(args, name, None)), f"--pipeline-schedule 2bw: {flag} {why}")
 
 
