@@ -20,15 +20,23 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
 - activations, an estimate: bytes a token a layer (attention block 34h with flash
   attention, per Korthikanti et al. 2022, its MLP part replaced for MoE by top-k
   experts' 2h + 6f) x tokens of a microbatch x layers of the stage x microbatches in
-  flight (p - s on stage s under 1F1B and 2bw), plus the last stage's fp32 logits.
+  flight (p - s on stage s under 1F1B and 2bw), plus the last stage's fp32 logits;
+- 2bw's point-to-point buffers: the tensors a stage has sent and holds until the
+  sends retire after its next optimizer step, plus an output not yet posted and a
+  receive not yet consumed, at their peak, counted exactly by replaying the 2bw
+  action stream (plan_p2p.py), each of the activation shape in the pipeline dtype.
 
-Prints a table and exits 1 if a stage does not fit in --gpu-gb.
+`total` is the training peak, the sum of those terms' peaks. A checkpoint save under
+2bw clones the stash (WeightStashManager.state_dict) on the device: `save_clone`, and
+`save_total` = total + save_clone is the peak budget during a save. Prints a table and
+exits 1 if a stage's peak during a save does not fit in --gpu-gb.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 
@@ -95,6 +103,7 @@ def plan(args) -> list[dict]:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_async.parallel import init_model_parallel
+    from megatron_async.plan_p2p import activation_tensor_bytes, stage_peaks
 
     import torch.distributed as dist
 
@@ -115,6 +124,10 @@ def plan(args) -> list[dict]:
     per_stage = args.num_layers // p
     grad_bytes = 4 if args.accumulate_allreduce_grads_in_fp32 else 2
     moments = 4 if "muon" in args.optimizer else 8
+    two_bw = args.pipeline_schedule == "2bw"
+    m = args.global_batch_size // (args.micro_batch_size * dp)  # microbatches a batch, per data-parallel rank
+    p2p = stage_peaks(p, m) if two_bw else None
+    tensor_bytes = activation_tensor_bytes(args)
     rows = []
     for stage in range(p):
         first, last = stage == 0, stage == p - 1
@@ -125,17 +138,40 @@ def plan(args) -> list[dict]:
         sharded = gpu_dense / dp + gpu_expert / expert_dp if args.use_distributed_optimizer else gpu
         memory = {
             "weights": 2 * gpu,
-            "stash": 2 * gpu if args.pipeline_schedule == "2bw" else 0,
+            "stash": 2 * gpu if two_bw else 0,
             "gradients": grad_bytes * gpu,
             "optimizer": (4 + moments) * sharded,
             "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
             "activations": _activation_bytes(args, stage, per_stage, last),
+            "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
         }
+        save_clone = memory["stash"]  # state_dict() clones every stash slot
+        total = sum(memory.values())
         rows.append({"stage": stage, "stage_params": counts["dense"] + counts["expert"],
                      "stage_expert_params": counts["expert"], "gpu_params": gpu,
                      "memory_gb": {k: v / 2**30 for k, v in memory.items()},
-                     "total_gb": sum(memory.values()) / 2**30})
+                     "total_gb": total / 2**30,
+                     "save_clone_gb": save_clone / 2**30,
+                     "save_total_gb": (total + save_clone) / 2**30,
+                     "p2p": {**dataclasses.asdict(p2p[stage]), "tensor_bytes": tensor_bytes} if two_bw else None})
     return rows
+
+
+def _print_table(rows: list[dict]) -> None:
+    keys = list(rows[0]["memory_gb"])
+    print("| stage | params/GPU | " + " | ".join(f"{k} GB" for k in keys)
+          + " | total GB (training peak) | save_clone GB | total GB during a save |")
+    print("|" + " --- |" * (len(keys) + 5))
+    for r in rows:
+        print(f"| {r['stage']} | {r['gpu_params'] / 1e9:.3f}B | "
+              + " | ".join(f"{r['memory_gb'][k]:.1f}" for k in keys)
+              + f" | {r['total_gb']:.1f} | {r['save_clone_gb']:.1f} | {r['save_total_gb']:.1f} |")
+    for r in rows:
+        if r["p2p"]:
+            c = r["p2p"]
+            print(f"stage {r['stage']} p2p_buffers: at most {c['act_sends']} activation and {c['grad_sends']} "
+                  f"gradient sends held, {c['sends']} at once; {c['buffers']} buffers at the peak "
+                  f"x {c['tensor_bytes'] / 2**20:.1f} MiB")
 
 
 def main(argv=None) -> int:
@@ -164,14 +200,10 @@ def main(argv=None) -> int:
     print(f"model: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token; "
           f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
           f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
-    keys = list(rows[0]["memory_gb"])
-    print("| stage | params/GPU | " + " | ".join(f"{k} GB" for k in keys) + " | total GB |")
-    print("|" + " --- |" * (len(keys) + 3))
-    for r in rows:
-        print(f"| {r['stage']} | {r['gpu_params'] / 1e9:.3f}B | "
-              + " | ".join(f"{r['memory_gb'][k]:.1f}" for k in keys) + f" | {r['total_gb']:.1f} |")
-    fits = all(r["total_gb"] <= ns.gpu_gb for r in rows)
-    print(f"every stage fits in {ns.gpu_gb:g} GB" if fits else f"a stage exceeds {ns.gpu_gb:g} GB")
+    _print_table(rows)
+    fits = all(r["save_total_gb"] <= ns.gpu_gb for r in rows)
+    print(f"every stage fits in {ns.gpu_gb:g} GB, during a save too" if fits
+          else f"a stage exceeds {ns.gpu_gb:g} GB (in training or during a save)")
     if ns.json:
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump({"total_params": total, "active_params": active, "padded_vocab_size": args.padded_vocab_size,

@@ -9,7 +9,10 @@
   plus ours; a flag 2bw refuses makes it fail, naming the flag;
 - the 10B MoE plan builds every stage on the meta device: its total parameter count
   equals the closed-form count of the configuration, and every stage fits in 80 GB
-  (and not in 10 GB: the check can fail).
+  (and not in 10 GB: the check can fail); it counts 2bw's held send buffers (the
+  replay of megatron_async/plan_p2p.py for the configuration's p and m, x the tensor
+  size from its flags) and the stash's clone during a save, and a GPU that holds the
+  training peak but not the save's fails the check.
 """
 
 import json
@@ -122,3 +125,33 @@ def test_moe_10b_plan_fits_every_stage_in_80_gb(moe_plan, tmp_path):
     proc = subprocess.run(["bash", "examples/moe_10b/plan.sh", "--gpu-gb", "10"], cwd=REPO, capture_output=True,
                           text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=TIMEOUT_S)
     assert proc.returncode == 1 and "a stage exceeds 10 GB" in proc.stdout
+
+
+def test_moe_10b_plan_counts_send_buffers_and_the_save_clone(moe_plan):
+    from megatron_async.plan_p2p import stage_peaks
+
+    plan, stdout = moe_plan
+    m = 512 // (1 * 8)  # flags.sh: global batch / (micro batch x data-parallel size)
+    tensor = 4096 * 1 * 2048 * 2  # flags.sh: sequence x micro batch x hidden, bf16
+    for stage, peak in zip(plan["stages"], stage_peaks(4, m), strict=True):
+        assert stage["p2p"] == {**vars(peak), "tensor_bytes": tensor}
+        assert stage["memory_gb"]["p2p_buffers"] == pytest.approx(peak.buffers * tensor / 2**30)
+        assert stage["total_gb"] == pytest.approx(sum(stage["memory_gb"].values()))
+        assert stage["save_clone_gb"] == stage["memory_gb"]["stash"] > 0
+        assert stage["save_total_gb"] == pytest.approx(stage["total_gb"] + stage["save_clone_gb"])
+    sends = [stage["p2p"]["sends"] for stage in plan["stages"]]
+    assert min(sends[1:3]) > max(sends[0], sends[3])  # middle stages hold both directions
+    for column in ("p2p_buffers GB", "total GB (training peak)", "save_clone GB", "total GB during a save"):
+        assert column in stdout
+    assert "stage 1 p2p_buffers: at most" in stdout
+
+
+def test_moe_10b_plan_fails_a_gpu_only_the_save_overflows(moe_plan):
+    plan, _ = moe_plan
+    worst = max(plan["stages"], key=lambda stage: stage["total_gb"])
+    gpu_gb = worst["total_gb"] + worst["save_clone_gb"] / 2
+    assert all(stage["total_gb"] <= gpu_gb for stage in plan["stages"])  # training alone would fit
+    proc = subprocess.run(["bash", "examples/moe_10b/plan.sh", "--gpu-gb", f"{gpu_gb:.4f}"], cwd=REPO,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable),
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 1 and "a stage exceeds" in proc.stdout, proc.stdout[-3000:]

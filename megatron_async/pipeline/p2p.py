@@ -104,8 +104,10 @@ class PendingSends:
     provably completed on the neighbour (stage s cannot finish step t before stage
     s+1 has received every activation of batch t, nor before stage s-1, whose
     warm-up is at most m forwards deep, has received every gradient of batch t-1),
-    so the wait returns at once and never deadlocks. At most the sends of two
-    batches are ever held, whatever the run length.
+    so the wait returns at once and never deadlocks. The number held is bounded
+    whatever the run length: right before its step t a stage still holds its sends
+    of batch t-1 and t and of batch t+1's warm-up (about two batches; the memory plan
+    counts them exactly by replaying the stream, megatron_async/plan_p2p.py).
     """
 
     def __init__(self, num_microbatches: int):
