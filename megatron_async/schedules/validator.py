@@ -378,6 +378,10 @@ def validate(schedule: Schedule, mode: str | None = None) -> ScheduleReport:
     if mode is None:
         mode = "buffered" if getattr(schedule, "buffered_sends", False) else "blocking"
     check_deadlock_free(schedule, mode)
+    if mode == "blocking":  # one stream per link, both directions (NCCL): the same order at both ends
+        from megatron_async.schedules.link_order import check_link_order
+
+        check_link_order(schedule)
     return ScheduleReport(
         num_stages=len(schedule),
         num_microbatches=len(stats[0].forwards),
