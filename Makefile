@@ -7,8 +7,13 @@ PYTHON312 ?= $(shell \
 	if python3.12 -c '' >/dev/null 2>&1; then command -v python3.12; \
 	else ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; fi)
 PYTEST_ARGS ?=
+# The GPU acceptance suite runs in the Python that has CUDA, Transformer Engine and the
+# plugin (on a GPU node: the NVIDIA PyTorch container's, see docker/install.sh); it
+# never builds the CPU venv. Its report goes to $(GPU_REPORT)/report.json.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= out/gpu
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-gpu demo bench clean
 
 setup: $(STAMP)
 
@@ -20,7 +25,11 @@ $(STAMP): setup.py constraints.txt
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests --ignore=tests/gpu $(PYTEST_ARGS)
+
+# Skips every test, saying so, where there is no CUDA GPU (tests/gpu/conftest.py).
+test-gpu:
+	MEGATRON_ASYNC_GPU_REPORT=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -q tests/gpu $(PYTEST_ARGS)
 
 demo: setup
 	bash examples/demo.sh

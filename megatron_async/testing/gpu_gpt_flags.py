@@ -1,0 +1,43 @@
+"""Megatron command lines of the GPU acceptance suite's GPT runs, in one place.
+
+A small GPT with Transformer Engine layers in bf16, mock data (Megatron's
+arithmetic sequences, which a model learns in a few dozen steps, so a falling
+loss is a real signal) and gradient-accumulation fusion left at Megatron's
+default (on). Nothing here adds the CPU flags: on a GPU the launcher adds none.
+"""
+
+from __future__ import annotations
+
+
+def gpt_flags(*, layers: int = 4, hidden: int = 256, heads: int = 8, seq: int = 256, micro_batch: int = 4,
+              global_batch: int = 16, iters: int = 40, lr: float = 1e-3, seed: int = 1234,
+              dropout: float = 0.0) -> list[str]:
+    """Model, precision, data and logging flags; add the layout and schedule flags."""
+    return [
+        "--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads,
+        "--seq-length", seq, "--max-position-embeddings", seq,
+        "--micro-batch-size", micro_batch, "--global-batch-size", global_batch,
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "learned_absolute",
+        "--hidden-dropout", dropout, "--attention-dropout", dropout,
+        "--transformer-impl", "transformer_engine", "--bf16",
+        "--train-iters", iters, "--lr", lr, "--min-lr", lr / 10, "--lr-decay-style", "cosine",
+        "--seed", seed, "--log-interval", 1, "--eval-interval", 100000, "--eval-iters", 1,
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", 1024,
+        "--num-workers", 0, "--rerun-mode", "disabled",
+    ]
+
+
+MUON = ["--optimizer", "muon"]
+
+# Four experts, two per rank at EP=2, routed by TE's grouped GEMM; the aux loss on.
+MOE = ["--num-experts", 4, "--moe-router-topk", 2, "--expert-model-parallel-size", 2, "--moe-grouped-gemm",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", 1e-2, "--disable-bias-linear"]
+
+
+def two_bw(stages: int) -> list:
+    return ["--pipeline-model-parallel-size", stages, "--pipeline-schedule", "2bw"]
+
+
+def simulated_twin(stages: int) -> list:
+    """PP=1 at a one-step delay, clipped like `stages` pipeline stages: what 2bw must equal."""
+    return ["--simulated-delay", 1, "--simulated-pipeline-stages", stages]

@@ -1,0 +1,95 @@
+"""Launch GPU runs for the acceptance suite: torchrun over NCCL, always with a timeout.
+
+The CPU suite forks warm gloo ranks (warm_launch.py); on GPUs every rank must
+start its own CUDA context, so runs go through torchrun itself. A run past its
+timeout has its whole process group killed (torchrun and every rank), so a hung
+NCCL collective cannot outlive its test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import megatron_async
+
+ROOT = Path(megatron_async.__file__).resolve().parent.parent
+
+# Collectives and kernels that give the same result run after run (NCCL's ring
+# all-reduce, TE without its non-deterministic attention kernels, a fixed cuBLAS
+# workspace), for runs whose losses are compared with each other.
+DETERMINISTIC_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def subprocess_env(extra: Mapping[str, str] | None = None) -> dict:
+    """This environment, with the checkout importable and unbuffered output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="4")
+    env.update(extra or {})
+    return env
+
+
+def run_with_timeout(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
+                     cwd=None) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session; past `timeout_s` (or when interrupted) kill the session,
+    then raise. The result carries stdout and stderr together, and the wall time in `.wall_s`."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env(env), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout_s:.0f} s:\n"
+                           f"{out[-5000:]}") from None
+    except BaseException:  # interrupted (Ctrl-C, pytest-timeout): leave no rank running
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        raise
+    result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, None)
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def torchrun_gpt(args: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
+                 cwd=None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node NPROC -m megatron_async.launch --gpt ARGS` on
+    this node's first NPROC GPUs (Megatron binds rank r to GPU r), NCCL by Megatron's default."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megatron_async.launch", "--gpt", *map(str, args)]
+    return run_with_timeout(cmd, timeout_s, env=env, cwd=cwd)
+
+
+def run_module(module: str, args: Sequence[str], timeout_s: float,
+               env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in a fresh interpreter, with a timeout."""
+    return run_with_timeout([sys.executable, "-m", module, *map(str, args)], timeout_s, env=env)
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a `--metrics-json` file (one JSON object a line)."""
+    from megatron_async.megatron_lm.records import read_records
+
+    return read_records(str(path))
+
+
+def train_losses(records: list[dict]) -> list[float | None]:
+    """The training loss of each iteration, in order (None where it was not finite)."""
+    return [r["lm_loss"] for r in records if "lm_loss" in r]
+
+
+def iteration_seconds(records: list[dict], skip: int) -> list[float]:
+    """Seconds per iteration after the first `skip` iterations (start-up, autotuning)."""
+    return [r["s_per_iter"] for r in records
+            if "lm_loss" in r and r.get("s_per_iter") is not None and r["iteration"] > skip]
+
+
+def tail(proc: subprocess.CompletedProcess, chars: int = 5000) -> str:
+    return (proc.stdout or "")[-chars:]
