@@ -17,13 +17,15 @@ biases, layer norms at weight 1 and bias 0.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from typing import Callable
 
 import torch
 from megatron.core import parallel_state
 
-_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
+_OUTPUT_PROJECTIONS_RE = re.compile(r"(linear_proj|linear_fc2)\.weight\d*$")  # \d*: grouped experts
+_GROUPED_EXPERT_PARAM = re.compile(r"(weight|bias)(\d+)")
 
 
 def innermost_module(chunk):
@@ -52,6 +54,9 @@ def global_param_names(chunk) -> dict[str, str]:
         if "local_experts" in parts:
             i = parts.index("local_experts") + 1
             parts[i] = str(int(parts[i]) + expert_offset)
+        grouped = _GROUPED_EXPERT_PARAM.fullmatch(parts[-1])
+        if grouped and "experts" in parts:  # TE's grouped GEMM: weight<i> of local expert i
+            parts[-1] = f"{grouped.group(1)}{int(grouped.group(2)) + expert_offset}"
         names[name] = ".".join(parts)
     return names
 
@@ -63,9 +68,9 @@ def megatron_like(std: float, num_layers: int) -> Callable[[str, list, torch.Gen
     def draw(name: str, shape: list, gen: torch.Generator) -> torch.Tensor:
         if "norm" in name.split(".")[-2] or name.endswith("layer_norm_weight"):
             return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
-        if name.endswith("bias"):
+        if re.search(r"bias\d*$", name):
             return torch.zeros(shape)
-        scale = output_std if name.endswith(_OUTPUT_PROJECTIONS) else std
+        scale = output_std if _OUTPUT_PROJECTIONS_RE.search(name) else std
         return torch.randn(shape, generator=gen) * scale
 
     return draw
