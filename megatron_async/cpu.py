@@ -2,10 +2,11 @@
 
 Megatron-Core assumes CUDA everywhere: tensors are created with ``device='cuda'`` or
 ``torch.cuda.current_device()``, streams and events order communication, the RNG
-tracker forks CUDA generator states, and several asserts compare ``Tensor.type()``
-against ``'torch.cuda.FloatTensor'``. This module makes all of that run on the CPU
-(with the gloo backend), so GPTModel, DDP, the distributed optimizer, MoE and the
-pipeline schedules work in CPU smoke runs and CI.
+tracker forks CUDA generator states, several asserts compare ``Tensor.type()``
+against ``'torch.cuda.FloatTensor'``, and gradient-accumulation fusion (on by
+default) needs apex's weight-gradient kernel. This module makes all of that run on
+the CPU (with the gloo backend), so GPTModel, DDP, the distributed optimizer, MoE
+and the pipeline schedules work in CPU smoke runs and CI.
 
 It is activated explicitly (``activate()``, ``--device cpu``) or by ``auto`` when CUDA
 is absent, and refuses to activate when CUDA is present: nothing here ever changes a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import types
 from typing import Any
 
@@ -340,6 +342,55 @@ def _patch_uneven_all_gather() -> None:
     dist.all_gather = all_gather
 
 
+FUSED_WGRAD_MODULE = "fused_weight_gradient_mlp_cuda"
+
+
+def _flat_fp32_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+    """grad_output^T @ total_input over the flattened leading dims, computed in fp32."""
+    inp = total_input.reshape(-1, total_input.shape[-1]).float()
+    grad = grad_output.reshape(-1, grad_output.shape[-1]).float()
+    if main_grad.shape != (grad.shape[1], inp.shape[1]):
+        raise ValueError(f"weight-gradient accumulation: main_grad {tuple(main_grad.shape)} does not match "
+                         f"grad_output {tuple(grad_output.shape)} x input {tuple(total_input.shape)}")
+    return grad.t().matmul(inp)
+
+
+def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """apex's kernel on the CPU: main_grad (fp32) += grad_output^T @ input, inputs upcast.
+    Computed as the product, then one addition: what Megatron's unfused path does
+    (wgrad, then DDP's hook adds it to main_grad), so fusion changes no fp32 result."""
+    if main_grad.dtype != torch.float32:
+        raise TypeError(f"wgrad_gemm_accum_fp32 accumulates into an fp32 main_grad, got {main_grad.dtype}")
+    main_grad.add_(_flat_fp32_wgrad(total_input, grad_output, main_grad))
+
+
+def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """apex's fp16/bf16 variant on the CPU: accumulate in fp32, round once into main_grad's dtype."""
+    if main_grad.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"wgrad_gemm_accum_fp16 accumulates into an fp16/bf16 main_grad, got {main_grad.dtype}")
+    total = main_grad.float() + _flat_fp32_wgrad(total_input, grad_output, main_grad)
+    main_grad.copy_(total)
+
+
+def _provide_fused_wgrad_kernel() -> None:
+    """Megatron's local linear layers fuse the weight-gradient GEMM with the
+    accumulation into `main_grad` through apex's CUDA extension, which
+    tensor_parallel/layers.py imports at import time and otherwise refuses
+    `gradient_accumulation_fusion` (Megatron's default). Provide the module with the
+    same semantics in torch ops, so CPU runs take the same backward path as GPUs
+    (the dummy weight gradient and DDP's `grad_added_to_main_grad` included)."""
+    from megatron.core.tensor_parallel import layers
+
+    if getattr(layers, "_grad_accum_fusion_available", False):
+        return
+    module = types.ModuleType(FUSED_WGRAD_MODULE, "weight-gradient accumulation (CPU emulation of apex's kernel)")
+    module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
+    module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
+    sys.modules[FUSED_WGRAD_MODULE] = module  # megatron.core.utils imports it at call time
+    layers.fused_weight_gradient_mlp_cuda = module
+    layers._grad_accum_fusion_available = True
+
+
 def activate() -> bool:
     """Enable CUDA emulation on the CPU. Returns False (and does nothing) with CUDA."""
     global _ACTIVE, _MODE
@@ -359,6 +410,7 @@ def activate() -> bool:
     with contextlib.suppress(ImportError):
         _patch_missing_te_names()
     _patch_torch_norm_for_sequence_parallel()
+    _provide_fused_wgrad_kernel()
     # Megatron's validate_args demands this CUDA setting for TP/CP > 1 before Blackwell;
     # it means nothing here, and the emulated device reports no architecture.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -19,11 +19,12 @@ import sys
 
 # What Megatron needs to train on the CPU (no Transformer Engine, apex or fused CUDA
 # kernels; gloo instead of NCCL). Added where CUDA is absent, unless the flag is given.
+# Gradient-accumulation fusion stays on, as on GPUs: the CPU emulation provides its
+# kernel (`--no-gradient-accumulation-fusion` still turns it off).
 CPU_FLAGS = (
-    ("--transformer-impl", "local"), ("--distributed-backend", "gloo"), ("--no-gradient-accumulation-fusion",),
-    ("--no-masked-softmax-fusion",), ("--no-bias-gelu-fusion",), ("--no-bias-swiglu-fusion",),
-    ("--no-bias-dropout-fusion",), ("--no-persist-layer-norm",), ("--no-rope-fusion",),
-    ("--use-cpu-initialization",),
+    ("--transformer-impl", "local"), ("--distributed-backend", "gloo"), ("--no-masked-softmax-fusion",),
+    ("--no-bias-gelu-fusion",), ("--no-bias-swiglu-fusion",), ("--no-bias-dropout-fusion",),
+    ("--no-persist-layer-norm",), ("--no-rope-fusion",), ("--use-cpu-initialization",),
 )
 
 

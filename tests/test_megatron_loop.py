@@ -21,7 +21,7 @@ import pytest
 
 from megatron_async.testing.warm_launch import warm_run
 
-CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-gradient-accumulation-fusion",
+CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo",
        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
        "--no-rope-fusion", "--use-cpu-initialization"]
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -115,3 +115,32 @@ def test_an_early_stop_drains_the_pipeline_without_training_further(stop):
     m = spec.num_microbatches(4)
     for r in results:
         assert r["forwards"] <= (stop + 2) * m, (r["rank"], r["forwards"])
+
+
+def _train_with_overwriting_wgrad_kernel(rank, world_size, spec, steps):
+    """The ranks' fused weight-gradient kernel overwrites main_grad instead of adding."""
+    import sys
+
+    from megatron_async import cpu
+
+    def overwrite(total_input, grad_output, main_grad):
+        main_grad.zero_()
+        cpu.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+
+    sys.modules[cpu.FUSED_WGRAD_MODULE].wgrad_gemm_accum_fp32 = overwrite
+    return train_entry(rank, world_size, spec, steps)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_2bw_with_gradient_accumulation_fusion_equals_its_twin(pp):
+    """Megatron's local layers accumulating weight gradients straight into main_grad
+    (the CPU emulation's kernel) and DDP skipping their dummy gradients."""
+    ref = _reference(gradient_accumulation_fusion=True)
+    results = run_distributed(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", gradient_accumulation_fusion=True,
+                                                       **COMMON), STEPS)
+    assert_same_trajectory(ref, results, RTOL, ATOL)
+    if pp == 2:  # negative control: the fused kernel is what runs (overwriting changes the trajectory)
+        broken = run_distributed(_train_with_overwriting_wgrad_kernel, pp,
+                                 TinyGPT(pp=pp, schedule="2bw", gradient_accumulation_fusion=True, **COMMON), STEPS)
+        with pytest.raises(AssertionError):
+            assert_same_trajectory(ref, broken, RTOL, ATOL)

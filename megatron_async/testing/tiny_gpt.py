@@ -57,6 +57,10 @@ class TinyGPT:
     clip_grad_mode: str = "stage-local"  # 2bw: or "stale-global"
     planned_iterations: Optional[int] = None  # 2bw: the run planned this many and stops early (--exit-interval)
     weight_prediction: Optional[float] = None  # run microbatches at W + alpha (W - W_prev) (one-step delay only)
+    gradient_accumulation_fusion: bool = False  # Megatron's fused wgrad accumulation into main_grad
+    te_like: Optional[str] = None  # a te_like kernel kind on every local linear layer (testing/te_like.py)
+    te_like_honours_switch: bool = True  # False: the kernel ignores disable_parameter_transpose_cache
+    stash_alias_guard: bool = True  # the weight stash refuses saved aliases of a weight (guard_aliases)
     extra_optimizer_config: dict = field(default_factory=dict)
 
     def dp(self, world_size: int) -> int:
@@ -81,6 +85,7 @@ def transformer_config(spec: TinyGPT) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
+        gradient_accumulation_fusion=spec.gradient_accumulation_fusion,
         **moe,
     )
 
@@ -96,6 +101,10 @@ def build(spec: TinyGPT):
         overlap_grad_reduce=spec.overlap_grad_reduce,
     )
     model = wrap_ddp(chunks, config, ddp_config)
+    if spec.te_like is not None:
+        from megatron_async.testing import te_like
+
+        te_like.install(model, spec.te_like, honour_switch=spec.te_like_honours_switch)
     if spec.init_by_name:
         init_by_global_name(model, spec)
     if spec.clip_stages > 1:
@@ -220,7 +229,8 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
             dtype=torch.float32, forward_step_func=gpt_forward_step,
             get_microbatch=microbatch_getter(spec, num_micro),
             clip_grad_mode=spec.clip_grad_mode,
-            stash=WeightStashManager(model, depth=1, predict=spec.weight_prediction),
+            stash=WeightStashManager(model, depth=1, predict=spec.weight_prediction,
+                                     guard_aliases=spec.stash_alias_guard),
         )
         for iteration in range(iterations):
             reports, (update_ok, _norm, _) = runner.train_step(iteration)
@@ -239,13 +249,15 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
 
     forward_backward = get_forward_backward_func(schedule)
     delays = spec.stage_delays or (spec.simulated_delay,)
-    stash = WeightStashManager(model, depth=max(delays), predict=spec.weight_prediction) if max(delays) else None
+    stash = (WeightStashManager(model, depth=max(delays), predict=spec.weight_prediction,
+                                guard_aliases=spec.stash_alias_guard) if max(delays) else None)
     version = version_for_step(model, stash, delays, spec.num_layers) if stash else None
     for iteration in range(iterations):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        with (stash.use(version(iteration)) if stash else contextlib.nullcontext()):
+        # as runtime.simulated_delay: the whole batch runs between two steps, so no saved-tensor hooks
+        with (stash.use(version(iteration), hooks=False) if stash else contextlib.nullcontext()):
             reduced = forward_backward(
                 forward_step_func=gpt_forward_step,
                 data_iterator=microbatches(spec, iteration),
