@@ -1,4 +1,4 @@
-"""The benchmarks run end to end (--quick: pipeline throughput with its cost-model prediction, soak,
+"""The benchmarks run end to end (--quick: pipeline throughput with its cost-model prediction, soak, stash overhead,
 schedule start-up, the GPU projection).
 
 Only that it completes and reports every configuration: timings on a shared CI
@@ -99,3 +99,14 @@ def test_quick_stage_breakdown_times_each_rank_inside_its_iterations(tmp_path):
             # cannot exceed the iterations' wall time (5% for timer granularity)
             assert 0 < rank["busy"] <= 1.05, (name, rank)
     assert "2bw_m4_2+1+loss" in result["efficiency_vs_pp1_busy"]
+
+
+def test_quick_stash_overhead_times_every_mode(tmp_path):
+    from bench import stash_overhead
+
+    out = tmp_path / "stash.json"
+    result = stash_overhead.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text())["ratio_to_plain"] == result["ratio_to_plain"]
+    for mode in stash_overhead.MODES:
+        times = result["per_cycle"][mode]
+        assert len(times) == result["cycles"] and all(t > 0 for t in times), mode
