@@ -174,6 +174,11 @@ def _print_table(rows: list[dict]) -> None:
                   f"x {c['tensor_bytes'] / 2**20:.1f} MiB")
 
 
+def fits_on_gpu(rows: list[dict], gpu_gb: float) -> bool:
+    """Every stage fits in `gpu_gb`, during a checkpoint save too (the stash's clone)."""
+    return all(r["save_total_gb"] <= gpu_gb for r in rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, required=True)
@@ -201,7 +206,7 @@ def main(argv=None) -> int:
           f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
           f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
     _print_table(rows)
-    fits = all(r["save_total_gb"] <= ns.gpu_gb for r in rows)
+    fits = fits_on_gpu(rows, ns.gpu_gb)
     print(f"every stage fits in {ns.gpu_gb:g} GB, during a save too" if fits
           else f"a stage exceeds {ns.gpu_gb:g} GB (in training or during a save)")
     if ns.json:

