@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     on_cpu = cpu.setup_device("auto") == "cpu"
     from megatron_async.megatron_lm.flags import FlagError
     from megatron_async.megatron_lm.hooks import install
+    from megatron_async.megatron_lm.side_state import CheckpointStateError
     from megatron_async.pipeline.non_finite import NonFiniteError
 
     install()
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
         _run(script, rest)
     except FlagError as err:
         print(f"megatron-async: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except CheckpointStateError as err:
+        print(f"{err} (rank {os.environ.get('RANK', '0')})", file=sys.stderr, flush=True)
         return 2
     except NonFiniteError as err:
         rank = os.environ.get("RANK", "0")

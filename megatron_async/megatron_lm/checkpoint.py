@@ -56,19 +56,23 @@ def rng_for_save(next_batch: int):
     return _RNG_SNAPSHOTS.get(next_batch)
 
 
-def _checkpoint_dir(root: str, iteration: int) -> str:
+def checkpoint_dir(root: str, iteration: int) -> str:
     from megatron.training.checkpointing import get_checkpoint_name
 
     return get_checkpoint_name(root, iteration, return_base_dir=True)
 
 
-def write_marker(root: str, iteration: int, contents: dict) -> None:
+def write_marker(root: str, iteration: int, contents: dict, create: bool = False) -> None:
+    """Rank 0 writes what the checkpoint holds of ours (atomically)."""
     if torch.distributed.get_rank() != 0:
         return
-    path = os.path.join(_checkpoint_dir(root, iteration), MARKER)
+    path = os.path.join(checkpoint_dir(root, iteration), MARKER)
+    if create:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isdir(os.path.dirname(path)):
-        with open(path, "w", encoding="utf-8") as f:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(contents, f)
+        os.replace(path + ".tmp", path)
 
 
 def saved_contents(args) -> dict:
@@ -91,8 +95,9 @@ def saved_contents(args) -> dict:
         if not text.isdigit():
             return {}
         iteration = int(text)
+    directory = checkpoint_dir(root, iteration)
     try:
-        with open(os.path.join(_checkpoint_dir(root, iteration), MARKER), encoding="utf-8") as f:
-            return json.load(f)
+        with open(os.path.join(directory, MARKER), encoding="utf-8") as f:
+            return {**json.load(f), "loaded_from": directory}
     except (OSError, ValueError):
         return {}

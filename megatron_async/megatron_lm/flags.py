@@ -139,6 +139,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     _check_delay_correction(args, delays)
     _check_optimizer(args)
     _check_data(args)
+    _check_checkpoints(args)
     _require(args.clip_grad_mode == "stage-local" or args.pipeline_schedule == "2bw",
              "--clip-grad-mode stale-global needs --pipeline-schedule 2bw")
     if args.pipeline_schedule is None:
@@ -266,6 +267,55 @@ def _validate_2bw(args: argparse.Namespace) -> None:
              "--clip-grad-mode stale-global needs --clip-grad > 0")
     for name, refused, flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
         _require(not refused(getattr(args, name, None)), f"--pipeline-schedule 2bw: {flag} {why}")
+
+
+CARRY_2BW_STATE = ("torch_dist", "torch")  # formats tested to save and restore the stash and EF state
+
+
+def _layout_text(sizes: dict) -> str:
+    return " ".join(f"{k.upper()}={sizes[k]}" for k in ("pp", "tp", "ep", "dp"))
+
+
+def _check_checkpoints(args: argparse.Namespace) -> None:
+    """No silent fresh start over checkpoints, a writable --save, and: what a run with a
+    weight stash saves must carry it; what it loads must give it back."""
+    from megatron_async.megatron_lm.checkpoint_guard import resume_problem, unwritable_save
+
+    for problem in (unwritable_save(args.save), resume_problem(args.load, args.save, getattr(args, "ckpt_step", None))):
+        _require(problem is None, problem)
+    _require(args.eval_interval is not None or args.skip_train,
+             "--eval-interval is required: Megatron sizes its validation data by --train-iters // --eval-interval "
+             "(pass e.g. --eval-interval 1000; --eval-iters 0 skips validation)")
+    stash = args.pipeline_schedule == "2bw" or args.simulated_delay > 0
+    if stash and args.save:
+        _require(args.ckpt_format in CARRY_2BW_STATE,
+                 f"--ckpt-format {args.ckpt_format}: not tested to carry 2bw's weight stash and delay-correction "
+                 f"state; use {' or '.join(CARRY_2BW_STATE)}")
+        _require(getattr(args, "non_persistent_ckpt_type", None) in (None, "global"),
+                 f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type}: not tested to carry 2bw's weight "
+                 "stash; use global")
+    if not args.load:
+        return
+    from megatron_async.megatron_lm.checkpoint import saved_contents
+
+    held = saved_contents(args)
+    if not held.get("weight_stash"):
+        return
+    where = held["loaded_from"]
+    if not stash:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megatron-async: {where} holds 2bw state (the older weight version"
+                  f"{', the delay correction' if held.get('delay_correction') else ''}); this run is synchronous "
+                  "and does not use it", flush=True)
+        return
+    saved = held.get("layout")
+    wanted = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
+              "ep": args.expert_model_parallel_size,
+              "dp": args.data_parallel_size * getattr(args, "context_parallel_size", 1)}
+    if saved is not None and saved != wanted:
+        raise FlagError(f"--load {args.load}: its 2bw state (weight stash, per rank) was saved at "
+                        f"{_layout_text(saved)} and cannot be laid out for this run's {_layout_text(wanted)}; "
+                        "resume at the saved layout")
 
 
 def _prefixes(paths) -> list[str]:

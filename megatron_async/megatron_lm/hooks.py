@@ -127,16 +127,68 @@ def _training_log(original):
 def _save_checkpoint(original):
     @functools.wraps(original)
     def hooked(iteration, *args, **kwargs):
-        runtime.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
-        result = original(iteration, *args, **kwargs)
         from megatron.training import get_args
 
-        from megatron_async.megatron_lm.checkpoint import write_marker
+        from megatron_async.megatron_lm import side_state
+        from megatron_async.megatron_lm.checkpoint import checkpoint_dir, write_marker
 
+        runtime.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
+        root = get_args().save
         contents = runtime.saved_contents_marker()
-        if contents:
-            write_marker(get_args().save, iteration, contents)
+        if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
+            side_state.save(checkpoint_dir(root, iteration), runtime.per_rank_state())
+            write_marker(root, iteration, contents, create=True)
+        result = original(iteration, *args, **kwargs)
+        if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into
+            write_marker(root, iteration, contents)
         return result
+
+    return hooked
+
+
+def _load_checkpoint(original):
+    """A checkpoint that fails to load is named, with the previous complete one."""
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is one
+            if isinstance(err, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+                raise
+            from megatron.training import get_args
+
+            from megatron_async.megatron_lm.checkpoint_guard import load_failure, tracked_iteration
+            from megatron_async.megatron_lm.side_state import CheckpointStateError
+
+            margs = get_args()
+            if isinstance(err, CheckpointStateError) or not margs.load:
+                raise
+            step = getattr(margs, "ckpt_step", None)
+            iteration = step if step is not None else tracked_iteration(margs.load)
+            if iteration is None:
+                raise
+            raise CheckpointStateError(f"megatron-async: {load_failure(margs.load, iteration, err)}") from err
+
+    return hooked
+
+
+def _check_scheduler_value(original):
+    """Megatron asserts when a schedule flag (--train-iters, --lr, ...) differs from the
+    checkpoint's; say which flags choose between the two."""
+
+    @functools.wraps(original)
+    def hooked(self, cls_value, sd_value, name):
+        try:
+            return original(self, cls_value, sd_value, name)
+        except AssertionError:
+            from megatron_async.megatron_lm.side_state import CheckpointStateError
+
+            raise CheckpointStateError(
+                f"megatron-async: the learning-rate schedule's {name} is {cls_value} in this run but {sd_value} in "
+                "the checkpoint (a changed --train-iters, --lr, warm-up or decay flag); pass "
+                "--override-opt_param-scheduler to use this run's values, or --use-checkpoint-opt_param-scheduler "
+                "to keep the checkpoint's") from None
 
     return hooked
 
@@ -269,6 +321,9 @@ HOOKS = (
          _save_checkpoint),
     Hook("megatron.training.checkpointing", "get_rng_state", "checkpointing.py:645 save_checkpoint",
          _get_rng_state),
+    Hook(T, "load_checkpoint", "training.py:2199 setup_model_and_optimizer", _load_checkpoint),
+    Hook("megatron.core.optimizer_param_scheduler:OptimizerParamScheduler", "_check_and_set",
+         "optimizer_param_scheduler.py:318, from load_state_dict when a checkpoint is loaded", _check_scheduler_value),
     Hook(T, "logical_and_across_model_parallel_group", "training.py:2503 train_step: update_successful",
          _stage_local_reduction),
     Hook(T, "reduce_max_stat_across_model_parallel_group",

@@ -19,6 +19,7 @@ import itertools
 from functools import partial
 from types import SimpleNamespace
 
+import torch
 from megatron.core import parallel_state
 
 from megatron_async.delay_correction import RULES
@@ -27,7 +28,8 @@ from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 
 STASH_KEY = "weight_stash"
 STALE_NORM_KEY = "stale_global_norm"
-STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None, stale_norm=None)
+STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None, stale_norm=None,
+                        optimizer=None, resumed={})
 
 
 class DelayedStepOptimizer:
@@ -60,6 +62,10 @@ class DelayedStepOptimizer:
         if STATE.stale_norm is not None:
             state_dict = pop_state(state_dict, STALE_NORM_KEY, STATE.stale_norm.load_state_dict)
         self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self.stash.load_state_dict))
+        if STATE.resumed.get(STASH_KEY) and STATE.resumed.get("per_rank_state") == "files":
+            from megatron_async.megatron_lm import side_state
+
+            load_per_rank_state(side_state.load(STATE.resumed["loaded_from"]))
 
     def step(self):
         from megatron.training import get_args
@@ -92,14 +98,15 @@ def wrap_optimizer(model, optimizer):
 
     if two_bw:
         make_stage_local(optimizer, args.use_distributed_optimizer)
-    resumed = saved_contents(args) if args.load else {}
+    resumed = STATE.resumed = saved_contents(args) if args.load else {}
+    in_optimizer = resumed.get("per_rank_state", "optimizer") == "optimizer"  # else in per-rank files
     if args.delay_correction in RULES:
         from megatron_async.delay_correction import DelayCorrectedOptimizer
         from megatron_async.megatron_lm.flags import nesterov_beta
 
         optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
                                             dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args))
-        optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction"))
+        optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction")) and in_optimizer
     if two_bw and args.clip_grad_mode == "stale-global":
         from megatron_async.pipeline.p2p import duplicate_pipeline_group
         from megatron_async.pipeline.stale_global import StaleGlobalNorm
@@ -108,20 +115,75 @@ def wrap_optimizer(model, optimizer):
     # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
     predict = args.prediction_alpha if args.delay_correction == "predict" else None
     STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1), predict=predict)
-    return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)),
-                                load_stale_norm=bool(resumed.get(STALE_NORM_KEY)))
+    STATE.optimizer = optimizer
+    return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)) and in_optimizer,
+                                load_stale_norm=bool(resumed.get(STALE_NORM_KEY)) and in_optimizer)
+
+
+def start_from_checkpoint(args) -> None:
+    """Before the first step: a stash restored from the checkpoint is at --load's iteration.
+    One the checkpoint does not hold (a 1F1B checkpoint, --no-load-optim) starts both
+    versions equal; one it promises but did not give back is an error, never a silent start."""
+    stash = STATE.stash
+    if stash.newest == args.iteration:
+        return
+    if STATE.resumed.get(STASH_KEY) and not (args.no_load_optim or args.finetune):
+        from megatron_async.megatron_lm.side_state import CheckpointStateError
+
+        raise CheckpointStateError(
+            f"megatron-async: the checkpoint in {STATE.resumed.get('loaded_from')} says it holds the 2bw weight "
+            f"stash, but it was not restored (stash at step {stash.newest}, run at iteration {args.iteration}). "
+            "A checkpoint saved with --ckpt-format torch by an older megatron-async lacks it: delete its "
+            "megatron_async.json to resume with both weight versions equal")
+    if STATE.resumed.get(STASH_KEY) and torch.distributed.get_rank() == 0:
+        flag = "--finetune" if args.finetune else "--no-load-optim"
+        print(f"megatron-async: {flag}: the checkpoint's weight stash is not loaded; both weight versions "
+              "start equal", flush=True)
+    stash.start_equal_at(args.iteration)
 
 
 def saved_contents_marker() -> dict:
-    """What a checkpoint of this run holds of ours (written next to it after a save)."""
+    """What a checkpoint of this run holds of ours (megatron_async.json, written next to it):
+    nothing without a stash or with --no-save-optim; otherwise where the per-rank state
+    lives (inside the optimizer's sharded state dict for torch_dist, in per-rank files
+    otherwise) and the layout it was saved at."""
     from megatron.training import get_args
 
+    from megatron_async.megatron_lm.side_state import layout
+
     args = get_args()
-    if STATE.stash is None:
+    if STATE.stash is None or args.no_save_optim:
         return {}
     return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
             STALE_NORM_KEY: STATE.stale_norm is not None,
-            "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay}
+            "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
+            "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
+            "layout": layout()}
+
+
+def per_rank_state_home(ckpt_format: str) -> str:
+    """Where a checkpoint of this format keeps our per-rank state."""
+    return "optimizer" if ckpt_format == "torch_dist" else "files"
+
+
+def per_rank_state() -> dict:
+    """This rank's 2bw state for a per-rank file: stash, delay correction, stale global norm."""
+    state = {STASH_KEY: STATE.stash.state_dict()}
+    correction = getattr(STATE.optimizer, "delay_correction", None)
+    if correction is not None:
+        state["delay_correction"] = correction.state_dict()
+    if STATE.stale_norm is not None:
+        state[STALE_NORM_KEY] = STATE.stale_norm.state_dict()
+    return state
+
+
+def load_per_rank_state(state: dict) -> None:
+    STATE.stash.load_state_dict(state[STASH_KEY])
+    correction = getattr(STATE.optimizer, "delay_correction", None)
+    if correction is not None and "delay_correction" in state:
+        correction.load_state_dict(state["delay_correction"])
+    if STATE.stale_norm is not None and STALE_NORM_KEY in state:
+        STATE.stale_norm.load_state_dict(state[STALE_NORM_KEY])
 
 
 def _runner(model_chunk, forward_step_func):
@@ -134,8 +196,7 @@ def _runner(model_chunk, forward_step_func):
     if STATE.runner is None:
         args = get_args()
         config = get_model_config(model_chunk)
-        if STATE.stash.newest != args.iteration:  # resumed from a checkpoint without a stash
-            STATE.stash.start_equal_at(args.iteration)
+        start_from_checkpoint(args)
         STATE.step = args.iteration
         STATE.runner = TwoBWRunner(
             [model_chunk], None, get_num_microbatches(), args.train_iters,
@@ -200,8 +261,7 @@ def simulated_delay(forward_backward):
             delays = args.simulated_stage_delays or (args.simulated_delay,)
             STATE.version_for = version_for_step(chunks, stash, delays, args.num_layers)
             STATE.step = args.iteration
-            if stash.newest != args.iteration:  # resumed from a checkpoint without a stash
-                stash.start_equal_at(args.iteration)
+            start_from_checkpoint(args)
         # Megatron's schedule runs the whole batch between two steps: no saved-tensor hooks needed
         with stash.use(STATE.version_for(STATE.step), hooks=False):
             out = forward_backward(model=model, **kwargs)

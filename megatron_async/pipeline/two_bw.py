@@ -72,7 +72,8 @@ class TwoBWRunner:
         if clip_grad_mode == "stale-global":  # Megatron's loop hands in the one its checkpoints restore
             self.stale_norm = stale_norm or StaleGlobalNorm(duplicate_pipeline_group(), self.device)
         # the 2bw lists, one batch at a time (start-up and memory independent of the run's length)
-        stream = TwoBWStream(p, num_microbatches, num_batches - start_batch, first_batch=start_batch)
+        # at least one batch: a run resumed at its last iteration only evaluates, and never takes a step
+        stream = TwoBWStream(p, num_microbatches, max(num_batches - start_batch, 1), first_batch=start_batch)
         stage = self.links.stage
         prev_segment = (lambda t: stream.segment(stage - 1, t - start_batch)) if stage else None
         self.stash = stash or WeightStashManager(model, depth=1)

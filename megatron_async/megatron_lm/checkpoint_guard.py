@@ -1,0 +1,113 @@
+"""Never start afresh over good checkpoints, never find a bad --save after training.
+
+Megatron starts from iteration 1 when `--load` has no readable tracker file
+(latest_checkpointed_iteration.txt) or does not exist, warning once, and then
+overwrites the checkpoints of `--save` with the fresh run's: a misspelt `--load`
+or a deleted tracker silently throws a run away. Checked before any process group
+exists, on every rank, from the file system alone:
+
+- `--load` holds complete checkpoints but no readable tracker: refused, naming the
+  newest complete iteration and `--ckpt-step`;
+- `--save` holds complete checkpoints newer than the iteration this run resumes
+  from: refused, naming the newest and `--load`;
+- `--save` cannot be written: refused now rather than at the first save.
+
+An empty or missing `--load` still starts: the first job of a requeue chain whose
+`--save` and `--load` are the same directory. A checkpoint that fails to load is
+reported with its directory and the previous complete iteration (`load_failure`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+from typing import Optional
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITERATION_DIR = re.compile(r"iter_(\d{7})")
+
+
+def is_complete(directory: str) -> bool:
+    """A checkpoint directory whose save finished: torch_dist writes `.metadata` last,
+    the torch format one model_optim_rng.pt per model-parallel rank."""
+    return os.path.isfile(os.path.join(directory, ".metadata")) or bool(
+        glob.glob(os.path.join(directory, "mp_rank_*", "model_optim_rng.pt")))
+
+
+def complete_iterations(root: Optional[str]) -> list[int]:
+    """The iterations of `root`'s complete checkpoints, oldest first."""
+    if not root or not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _ITERATION_DIR.fullmatch(name)
+        if match and is_complete(os.path.join(root, name)):
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def tracked_iteration(root: str) -> Optional[int]:
+    """The iteration `root`'s tracker names (0 for a release checkpoint), None if unreadable."""
+    try:
+        with open(os.path.join(root, TRACKER), encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "release":
+        return 0
+    return int(text) if text.isdigit() else None
+
+
+def resume_problem(load: Optional[str], save: Optional[str], ckpt_step: Optional[int]) -> Optional[str]:
+    """Why starting with these flags would silently start afresh over checkpoints, or None."""
+    start = 0
+    if load:
+        held = complete_iterations(load)
+        tracked = tracked_iteration(load)
+        if ckpt_step is not None:
+            start = ckpt_step
+        elif tracked is not None:
+            start = tracked
+        elif held:
+            return (f"--load {load} holds checkpoints (the newest complete one: iteration {held[-1]}) but no "
+                    f"readable {TRACKER}, so Megatron would start from scratch; pass --ckpt-step {held[-1]} to "
+                    f"resume from it, or restore the tracker file")
+    newer = [i for i in complete_iterations(save) if i > start]
+    if newer:
+        where = f"resumes from iteration {start} of --load {load}" if load and start else "starts from scratch"
+        return (f"--save {save} holds checkpoints newer than this run, which {where} (the newest: iteration "
+                f"{newer[-1]}); they would be overwritten. Pass --load {save} to resume from them, or choose "
+                "another --save")
+    return None
+
+
+def unwritable_save(save: Optional[str]) -> Optional[str]:
+    """Why `save` cannot be written to, or None. Probed by creating and removing a
+    temporary file in it, or in its nearest existing parent (permission bits alone
+    say yes to root, also for /proc); no directory is created."""
+    if not save:
+        return None
+    path = os.path.abspath(save)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        handle, probe = tempfile.mkstemp(dir=path, prefix=".megatron_async_write_probe_")
+    except OSError as err:
+        return (f"--save {save}: cannot write in {path} ({err.strerror or err}), so the first checkpoint save "
+                "would fail")
+    os.close(handle)
+    os.unlink(probe)
+    return None
+
+
+def load_failure(root: str, iteration: int, err: BaseException) -> str:
+    """A one-line account of a checkpoint that failed to load, with the previous complete one."""
+    older = [i for i in complete_iterations(root) if i < iteration]
+    previous = (f"the previous complete checkpoint is iteration {older[-1]} (--ckpt-step {older[-1]})" if older
+                else "no older complete checkpoint is there")
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return (f"--load {root}: the checkpoint of iteration {iteration} "
+            f"({os.path.join(root, f'iter_{iteration:07d}')}) cannot be loaded ({type(err).__name__}"
+            f"{': ' + detail if detail else ''}); {previous}")

@@ -1,0 +1,128 @@
+"""2bw's state (weight stash, delay correction, RNG) in Megatron's checkpoint formats.
+
+`--ckpt-format torch_dist` carries it inside the optimizer's sharded state dict
+(tests/test_megatron_loop.py); `--ckpt-format torch` has no per-rank objects, so
+every rank writes its own file next to the checkpoint (megatron_lm/side_state.py).
+Each format resumes bitwise (tolerance 1e-6 relative, as test_megatron_loop.py) with
+dropout; what megatron_async.json promises is checked on load (a missing rank file
+stops the run naming it); and a layout the stash cannot be laid out for is refused
+before training, naming both layouts.
+"""
+
+import json
+import shutil
+
+import pytest
+from test_megatron_loop import ITERS, RESUME, _assert_same, _losses, _run
+
+TORCH = [a for a in RESUME if a not in ("--ckpt-format", "torch_dist")] + ["--ckpt-format", "torch"]
+PP2_2BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
+SAVED_AT = 4
+
+
+def _first_half(tmp_path, nproc, flags):
+    ckpt = tmp_path / "ckpt"
+    proc, first = _run(tmp_path, "first", nproc, flags + ["--save", str(ckpt), "--save-interval", str(SAVED_AT),
+                                                          "--exit-interval", str(SAVED_AT)])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return ckpt, first
+
+
+def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second"):
+    proc, second = _run(tmp_path, name, nproc, flags + ["--load", str(ckpt), "--save", str(ckpt),
+                                                        "--save-interval", "100"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return [r["lm_loss"] for path in (first, second) for r in map(json.loads, path.read_text().splitlines())
+            if "lm_loss" in r]
+
+
+CASES = {
+    "adam": (2, PP2_2BW),
+    "muon + EF": (2, PP2_2BW + ["--optimizer", "muon", "--delay-correction", "ef"]),
+    # one file per data-parallel rank too. (Megatron-Core 0.19.2's torch format cannot resume its
+    # distributed optimizer on the CPU, in its own synchronous runs as well: an in-place copy into
+    # a leaf with fp32 parameters, KeyError 'step' with --bf16; it fails loudly.)
+    "adam + EF, DP=2": (4, PP2_2BW + ["--delay-correction", "ef"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_format_resume_equals_the_uninterrupted_run(tmp_path, case):
+    nproc, flags = CASES[case]
+    flags = TORCH + flags
+    full = _losses(tmp_path, "full", nproc, flags)
+    ckpt, first = _first_half(tmp_path, nproc, flags)
+    bare = tmp_path / "bare"  # for the negative control: the same checkpoint, our state removed
+    shutil.copytree(ckpt, bare)
+    shutil.rmtree(bare / f"iter_{SAVED_AT:07d}" / "megatron_async")
+    (bare / f"iter_{SAVED_AT:07d}" / "megatron_async.json").unlink()
+    marker = json.loads((ckpt / f"iter_{SAVED_AT:07d}" / "megatron_async.json").read_text())
+    assert marker["weight_stash"] and marker["per_rank_state"] == "files" and marker["ckpt_format"] == "torch"
+    assert len(list((ckpt / f"iter_{SAVED_AT:07d}" / "megatron_async").glob("*.pt"))) == nproc
+    resumed = _resumed_losses(tmp_path, nproc, flags, ckpt, first)
+    assert len(resumed) == ITERS
+    _assert_same(resumed, full)
+    if case == "adam":  # negative control: the same checkpoint without our state resumes to other losses
+        without = _resumed_losses(tmp_path, nproc, flags, bare, first, name="without")
+        with pytest.raises(AssertionError):
+            _assert_same(without, full)
+
+
+def test_a_missing_rank_file_stops_the_resume_naming_it(tmp_path):
+    flags = TORCH + PP2_2BW
+    ckpt, _ = _first_half(tmp_path, 2, flags)
+    files = sorted((ckpt / f"iter_{SAVED_AT:07d}" / "megatron_async").glob("*.pt"))
+    files[-1].unlink()
+    proc, metrics = _run(tmp_path, "second", 2, flags + ["--load", str(ckpt)])
+    assert proc.returncode != 0
+    assert f"{files[-1].name} is missing" in proc.stdout, proc.stdout[-4000:]
+    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
+
+
+def test_a_promised_stash_that_was_not_restored_stops_the_run(tmp_path):
+    """A torch-format checkpoint whose marker promises a stash that nothing restores
+    (as older versions wrote them): an error, not a silent start with equal versions."""
+    flags = TORCH + PP2_2BW
+    ckpt, _ = _first_half(tmp_path, 2, flags)
+    iteration = ckpt / f"iter_{SAVED_AT:07d}"
+    shutil.rmtree(iteration / "megatron_async")
+    marker = json.loads((iteration / "megatron_async.json").read_text())
+    for key in ("per_rank_state", "layout", "ckpt_format"):
+        marker.pop(key)
+    (iteration / "megatron_async.json").write_text(json.dumps(marker))
+    proc, _ = _run(tmp_path, "second", 2, flags + ["--load", str(ckpt)])
+    assert proc.returncode != 0
+    assert "says it holds the 2bw weight stash, but it was not restored" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_another_layout_is_refused_before_training_naming_both(tmp_path):
+    flags = TORCH + PP2_2BW
+    ckpt, _ = _first_half(tmp_path, 2, flags)
+    proc, metrics = _run(tmp_path, "pp1", 1, TORCH + ["--simulated-delay", "1", "--load", str(ckpt)])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    assert "saved at PP=2 TP=1 EP=1 DP=1" in line and "this run's PP=1 TP=1 EP=1 DP=1" in line, line
+    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
+
+
+def test_a_synchronous_resume_says_it_does_not_use_the_stash(tmp_path):
+    ckpt, _ = _first_half(tmp_path, 2, TORCH + PP2_2BW)
+    proc, metrics = _run(tmp_path, "sync", 2, TORCH + ["--pipeline-model-parallel-size", "2", "--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "this run is synchronous and does not use it" in proc.stdout
+    assert "lm_loss" in metrics.read_text()
+
+
+def test_a_resume_with_nothing_left_to_train_evaluates_and_exits(tmp_path):
+    """Resumed at its last iteration, a 2bw run takes no step; Megatron's final evaluation
+    still runs through the 2bw runtime."""
+    flags = TORCH + PP2_2BW
+    ckpt = tmp_path / "ckpt"
+    proc, _ = _run(tmp_path, "whole", 2, flags + ["--save", str(ckpt), "--save-interval", "100"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    proc, metrics = _run(tmp_path, "done", 2, flags + ["--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert not any("lm_loss" in r for r in records), records  # no step taken
+    assert any("final_val_loss" in r for r in records), records

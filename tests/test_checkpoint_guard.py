@@ -1,0 +1,118 @@
+"""No silent fresh start over checkpoints; a bad --save or checkpoint is named before training.
+
+The file-system rules (megatron_lm/checkpoint_guard.py) on fake checkpoint trees,
+the same cases through Megatron's own argument validation with the plugin
+(tests/test_refusals.py's harness), and real runs: a truncated checkpoint and a
+changed --train-iters on resume are each reported in one line naming what to do.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_megatron_loop import RESUME, _run
+from test_refusals import BASE
+
+from megatron_async.megatron_lm.checkpoint_guard import resume_problem, unwritable_save
+
+
+def _checkpoints(root, iterations, tracker=None, incomplete=()):
+    for i in iterations:
+        d = root / f"iter_{i:07d}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(b"")
+    for i in incomplete:  # a save that never finished: no .metadata
+        (root / f"iter_{i:07d}").mkdir(parents=True)
+    if tracker is not None:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(tracker))
+    return root
+
+
+def test_checkpoints_without_a_tracker_are_not_started_over(tmp_path):
+    run = _checkpoints(tmp_path / "run", [10, 20], incomplete=[30])
+    problem = resume_problem(str(run), str(run), None)
+    assert "newest complete one: iteration 20" in problem and "--ckpt-step 20" in problem
+    assert resume_problem(str(run), str(run), 20) is None  # the flag it names resumes
+
+
+def test_a_misspelt_load_does_not_overwrite_the_real_checkpoints(tmp_path):
+    run = _checkpoints(tmp_path / "run", [10, 20], tracker=20)
+    problem = resume_problem(str(tmp_path / "rnu"), str(run), None)
+    assert f"--save {run} holds checkpoints newer" in problem and "iteration 20" in problem
+    assert f"--load {run}" in problem
+    assert resume_problem(str(run), str(run), None) is None  # resuming from them is fine
+
+
+def test_the_first_job_of_a_requeue_chain_starts(tmp_path):
+    assert resume_problem(str(tmp_path / "new"), str(tmp_path / "new"), None) is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert resume_problem(str(empty), str(empty), None) is None
+    half = _checkpoints(tmp_path / "half", [], incomplete=[10])  # only an unfinished save
+    assert resume_problem(str(half), str(half), None) is None
+
+
+def test_an_unwritable_save_is_named(tmp_path):
+    assert unwritable_save(str(tmp_path / "a" / "b")) is None  # created later by Megatron
+    assert "/proc" in unwritable_save("/proc/x") and "--save /proc/x" in unwritable_save("/proc/x")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert unwritable_save(str(blocker / "ckpt")) is not None
+
+
+def test_refused_through_megatrons_validation(tmp_path):
+    run = _checkpoints(tmp_path / "run", [10, 20], tracker=20)
+    untracked = _checkpoints(tmp_path / "untracked", [10])
+    args = [a for a in BASE if a not in ("--eval-interval", "10")]
+    every = ["--save-interval", "10"]
+    cases = {
+        "misspelt load": (BASE + ["--load", str(tmp_path / "rnu"), "--save", str(run), *every], "--load " + str(run)),
+        "no tracker": (BASE + ["--load", str(untracked), "--save", str(untracked), *every], "--ckpt-step 10"),
+        "unwritable save": (BASE + ["--save", "/proc/x", *every], "--save /proc/x"),
+        "no eval interval": (args, "--eval-interval is required"),
+        "resume": (BASE + ["--load", str(run), "--save", str(run), *every], None),  # the negative control
+        "first job": (BASE + ["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new"), *every], None),
+    }
+    (tmp_path / "cases.json").write_text(json.dumps({k: {"world": 1, "argv": a} for k, (a, _) in cases.items()}))
+    proc = subprocess.run([sys.executable, "-m", "megatron_async.testing.refusals", str(tmp_path / "cases.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads((tmp_path / "out.json").read_text())
+    for name, (_, needle) in cases.items():
+        if needle is None:
+            assert not found[name]["refused"], (name, found[name]["error"])
+        else:
+            assert found[name]["refused"] and needle in found[name]["error"], (name, found[name]["error"])
+    assert not (tmp_path / "new").exists()  # nothing created by the check
+
+
+TORCH_DIST = RESUME + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
+
+
+def test_a_truncated_checkpoint_is_named_with_the_previous_complete_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    shard = max((ckpt / "iter_0000008").glob("*.distcp"), key=os.path.getsize)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc, _ = _run(tmp_path, "second", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "8"])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if "cannot be loaded" in line)
+    assert "iter_0000008" in line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, line
+
+
+def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4",
+                                                       "--exit-interval", "4"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    longer = [a if a != "8" else "16" for a in TORCH_DIST]  # ITERS is 8 in test_megatron_loop's TRAIN
+    proc, metrics = _run(tmp_path, "longer", 2, longer + ["--load", str(ckpt), "--train-iters", "16"])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert "--override-opt_param-scheduler" in proc.stdout and "--use-checkpoint-opt_param-scheduler" in proc.stdout
+    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
+    proc, _ = _run(tmp_path, "override", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "16",
+                                                          "--override-opt_param-scheduler"])
+    assert proc.returncode == 0, proc.stdout[-4000:]  # the flag it names works
