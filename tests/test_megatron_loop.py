@@ -212,27 +212,38 @@ def test_tensorboard_gets_2bw_losses(tmp_path):
     assert steps == list(range(1, ITERS + 1)), steps
 
 
-@pytest.mark.parametrize("megatron_check", [True, False])
-def test_non_finite_loss_stops_2bw_before_any_checkpoint(tmp_path, megatron_check):
-    """--lr 1e3 --clip-grad 0 diverges: Megatron's own stage-local NaN check in the gradient
-    sync stops the run, or, with --no-check-for-nan-in-loss-and-grad, ours after the step;
-    either names the iteration, nothing is checkpointed and the metrics stay strict JSON."""
+PP2 = ["--pipeline-model-parallel-size", "2"]
+SCHEDULES = {"no pipelining": (1, []), "1f1b": (2, PP2),
+             "interleaved 1f1b": (2, PP2 + ["--num-virtual-stages-per-pipeline-rank", "2"]),
+             "2bw": (2, PP2 + ["--pipeline-schedule", "2bw"])}
+
+
+@pytest.mark.parametrize("schedule,megatron_check", [(s, False) for s in SCHEDULES] + [("1f1b", True), ("2bw", True)])
+def test_non_finite_loss_stops_every_schedule_before_any_checkpoint(tmp_path, schedule, megatron_check):
+    """--lr 1e3 --clip-grad 0 diverges. Megatron's own NaN check (in the gradient sync) or,
+    with --no-check-for-nan-in-loss-and-grad, ours (after the step) stops the run with
+    exit code 3 and one line naming the pipeline stage and the iteration, numbered as
+    the metrics file numbers them (its last record is the iteration before); nothing is
+    checkpointed (--save-interval would save at the end) and the metrics stay strict JSON."""
+    nproc, layout = SCHEDULES[schedule]
     save = tmp_path / "ckpt"
-    extra = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--lr", "1e3", "--clip-grad", "0",
-             "--lr-decay-style", "constant", "--save", str(save), "--save-interval", "1000", "--train-iters", "60"]
+    extra = layout + ["--lr", "1e3", "--clip-grad", "0", "--lr-decay-style", "constant", "--save", str(save),
+                      "--save-interval", "1000", "--train-iters", "60"]
     if not megatron_check:
         extra.append("--no-check-for-nan-in-loss-and-grad")
-    proc, metrics = _run(tmp_path, "nan", 2, extra)
-    assert proc.returncode != 0, proc.stdout[-3000:]
-    expected = "found NaN" if megatron_check else "stopped: iteration"
-    assert expected in proc.stdout and "iteration" in proc.stdout, proc.stdout[-3000:]
+    proc, metrics = _run(tmp_path, "nan", nproc, extra)
+    assert proc.returncode == 3, proc.stdout[-3000:]
+    stops = [line for line in proc.stdout.splitlines() if ": stopped: iteration " in line]
+    assert stops and all("on pipeline stage " in line for line in stops), proc.stdout[-3000:]
     assert not save.exists() or not any(save.iterdir())
 
     def refuse(constant):
         raise ValueError(constant)
 
     records = [json.loads(line, parse_constant=refuse) for line in metrics.read_text().splitlines()]
-    assert records and records[-1]["iteration"] < 60
+    logged = max((r["iteration"] for r in records if "lm_loss" in r), default=0)
+    stopped = {int(line.split(": stopped: iteration ")[1].split(":")[0]) for line in stops}
+    assert stopped == {logged + 1}, (stopped, logged)
 
 
 def _records_without_timing(path):

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from megatron_async.megatron_lm import flags, runtime
+from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
 
 _INSTALLED: dict = {}
 
@@ -58,9 +59,11 @@ def _get_forward_backward_func(original):
 
         margs = get_args()
         if margs.pipeline_schedule == "2bw":
-            return runtime.two_bw_forward_backward
-        func = original(*args, **kwargs)
-        return runtime.simulated_delay(func) if margs.simulated_delay else func
+            func = runtime.two_bw_forward_backward
+        else:
+            func = original(*args, **kwargs)
+            func = runtime.simulated_delay(func) if margs.simulated_delay else func
+        return megatron_check_as_ours(func, lambda: get_args().curr_iteration + 1, runtime.pipeline_stage)
 
     return hooked
 
@@ -80,6 +83,22 @@ def _get_megatron_optimizer(original):
 
             clip_like_pipeline_stages(model_chunks, margs.num_layers, margs.simulated_pipeline_stages)
         return runtime.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
+
+    return hooked
+
+
+def _train_step(original):
+    """Synchronous schedules stop at a non-finite loss or gradient norm too (delayed runs
+    check inside their optimizer), before the iteration can be checkpointed."""
+
+    @functools.wraps(original)
+    def hooked(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        if runtime.STATE.stash is None:
+            from megatron.training import get_args
+
+            check_train_step(result, optimizer, get_args().curr_iteration + 1, runtime.pipeline_stage())
+        return result
 
     return hooked
 
@@ -329,6 +348,7 @@ HOOKS = (
     Hook(T, "reduce_max_stat_across_model_parallel_group",
          "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
     Hook(T, "train", "training.py:1423 pretrain", _train),
+    Hook(T, "train_step", "training.py:3856 train", _train_step),
     Hook(T, "training_log", "training.py:3985 train", _training_log),
     Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results),
     Hook(T, "evaluate", "training.py:4402 evaluate_and_print_results", _evaluate),

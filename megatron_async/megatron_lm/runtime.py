@@ -288,6 +288,10 @@ def stage_group():
     return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
 
+def pipeline_stage() -> int:
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
 def is_two_bw() -> bool:
     from megatron.training import get_args
 

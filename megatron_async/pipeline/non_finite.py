@@ -11,8 +11,10 @@ spans two pipeline stages; the stage that sees it first raises, and the launcher
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterable, Optional
+import re
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -66,3 +68,39 @@ def report_losses(reports: list[dict]) -> list[float]:
         for value in report.values():
             values.append(float(torch.as_tensor(value).reshape(-1)[0]))
     return values
+
+
+# Megatron's own check (rerun state machine, --check-for-nan-in-loss-and-grad) raises
+# "Rank R, node N, device D, iteration I: Unexpected result nan (message='...')".
+_MEGATRON_CHECK = re.compile(r"Unexpected result (\S+) \(message='(.*)'\)")
+
+
+def megatron_check_as_ours(func: Callable, iteration: Callable[[], int], stage: Callable[[], int]) -> Callable:
+    """`func` (a forward-backward function) with Megatron's non-finite check reported as
+    ours: the pipeline stage and the iteration the metrics file gives, not a rank."""
+
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as err:
+            found = _MEGATRON_CHECK.search(str(err))
+            if found is None:
+                raise
+            value, what = found.groups()
+            raise NonFiniteError(
+                f"iteration {iteration()}: {what} ({value}) on pipeline stage {stage()}; the run is stopped "
+                "before any checkpoint of these weights is written (lower --lr, or clip with --clip-grad)") from err
+
+    return checked
+
+
+def check_train_step(result: tuple, optimizer, iteration: int, stage: int) -> None:
+    """After Megatron's train_step (while main_grad still holds the step's gradients):
+    its losses (last stage) and the step's gradient norm must be finite."""
+    loss_dict, skipped, grad_norm = result[0], result[1], result[5]
+    losses = [float(torch.as_tensor(v).reshape(-1)[0]) for v in (loss_dict or {}).values()]
+    norm = None
+    if not skipped:
+        norm = float(grad_norm) if grad_norm is not None else float(optimizer.get_grad_norm())
+    check_finite(iteration, stage, norm, losses)
