@@ -39,9 +39,9 @@ def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second"):
 CASES = {
     "adam": (2, PP2_2BW),
     "muon + EF": (2, PP2_2BW + ["--optimizer", "muon", "--delay-correction", "ef"]),
-    # one file per data-parallel rank too. (Megatron-Core 0.19.2's torch format cannot resume its
-    # distributed optimizer on the CPU, in its own synchronous runs as well: an in-place copy into
-    # a leaf with fp32 parameters, KeyError 'step' with --bf16; it fails loudly.)
+    # one file per data-parallel rank too. (Megatron-Core 0.19.2's distributed optimizer cannot
+    # resume on the CPU, without Apex or Transformer Engine, in either format and in its own
+    # synchronous runs as well; it fails loudly.)
     "adam + EF, DP=2": (4, PP2_2BW + ["--delay-correction", "ef"]),
 }
 
@@ -126,3 +126,4 @@ def test_a_resume_with_nothing_left_to_train_evaluates_and_exits(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert not any("lm_loss" in r for r in records), records  # no step taken
     assert any("final_val_loss" in r for r in records), records
+

@@ -107,7 +107,18 @@ def load_failure(root: str, iteration: int, err: BaseException) -> str:
     older = [i for i in complete_iterations(root) if i < iteration]
     previous = (f"the previous complete checkpoint is iteration {older[-1]} (--ckpt-step {older[-1]})" if older
                 else "no older complete checkpoint is there")
-    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else _where(err)
     return (f"--load {root}: the checkpoint of iteration {iteration} "
             f"({os.path.join(root, f'iter_{iteration:07d}')}) cannot be loaded ({type(err).__name__}"
             f"{': ' + detail if detail else ''}); {previous}")
+
+
+def _where(err: BaseException) -> str:
+    """For an exception without a message (a bare assert): the line that raised it."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f"{last.line} at {last.filename.split('site-packages/')[-1]}:{last.lineno}"
