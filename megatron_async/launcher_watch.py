@@ -8,6 +8,13 @@ re-parented) and exits the worker.
 
 Only active under torchrun (TORCHELASTIC_RUN_ID is set): a plain `python` run
 whose shell exits (nohup, a detached job) is left alone.
+
+The same for a worker's own multiprocessing children: Megatron's torch_dist
+checkpoint writer starts a `Manager` with the spawn method, which outlives a
+worker killed with SIGKILL, and so does the resource tracker that waits for it,
+holding hundreds of MB each until the node reboots. A spawned child re-imports the
+worker's main module as `__mp_main__` (megatron_async.launch calls
+`exit_with_parent` there) and exits when its parent does.
 """
 
 from __future__ import annotations
@@ -20,12 +27,12 @@ import time
 POLL_SECONDS = 1.0
 
 
-def _watch(parent: int, poll_seconds: float) -> None:
+def _watch(parent: int, poll_seconds: float, what: str = "launcher") -> None:
     while True:
         time.sleep(poll_seconds)
         if os.getppid() != parent:
             rank = os.environ.get("RANK", "?")
-            print(f"megatron-async: rank {rank}: the launcher (pid {parent}) is gone; exiting",
+            print(f"megatron-async: rank {rank}: the {what} (pid {parent}) is gone; exiting",
                   file=sys.stderr, flush=True)
             os._exit(1)
 
@@ -38,3 +45,11 @@ def exit_with_launcher(poll_seconds: float = POLL_SECONDS) -> bool:
                               name="launcher-watch", daemon=True)
     thread.start()
     return True
+
+
+def exit_with_parent(poll_seconds: float = 0.5) -> None:
+    """In a multiprocessing child: exit once the parent process is gone. Called while
+    the child imports the parent's main module, before multiprocessing has set up
+    `parent_process()`, so the parent is the process id it was started by."""
+    threading.Thread(target=_watch, args=(os.getppid(), poll_seconds, "parent process"), name="parent-watch",
+                     daemon=True).start()

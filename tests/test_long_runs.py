@@ -2,8 +2,9 @@
 
 Each test can fail: the handle count is compared between a short and a long run
 (before the fix it grew by 2m sends per iteration per stage); the orphan test kills
-the launcher of a run in Megatron's loop with SIGKILL and requires every worker gone
-within a deadline. The NaN stop is in tests/test_megatron_loop.py.
+the launcher, or one worker, of a run in Megatron's loop with SIGKILL and requires
+every process the job started gone within a deadline (before the fix the checkpoint
+writer's Manager and its resource tracker survived a killed worker). The NaN stop is in tests/test_megatron_loop.py.
 """
 
 import os
@@ -55,30 +56,52 @@ MEGATRON_LOOP = ["--gpt", "--num-layers", "2", "--hidden-size", "32", "--num-att
                  "--eval-iters", "1"]
 
 
-def test_workers_exit_when_the_launcher_is_killed(tmp_path):
+def _descendants(pid):
+    found = []
+    for child in _children(pid):
+        found += [child, *_descendants(child)]
+    return found
+
+
+def _command(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("victim", ["launcher", "worker"])
+def test_no_process_outlives_a_killed_job(tmp_path, victim):
+    """SIGKILL of torchrun or of one worker, after a checkpoint save: every process the
+    job started (workers, the checkpoint writer's Manager, resource trackers,
+    data-loader workers) is gone within 10 s."""
     progress = tmp_path / "progress.jsonl"
-    args = MEGATRON_LOOP + ["--metrics-json", progress]
+    args = MEGATRON_LOOP + ["--metrics-json", progress, "--save", tmp_path / "ckpt", "--save-interval", "2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "megatron_async.launch", *map(str, args)]
     launcher = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
-    workers = []
+    started = []
     try:
         deadline = time.monotonic() + 180
-        while not progress.exists() or not progress.read_text():
-            assert launcher.poll() is None, "the run ended before it trained"
-            assert time.monotonic() < deadline, "training did not start within 180 s"
+        while not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists():
+            assert launcher.poll() is None, "the run ended before it saved"
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
             time.sleep(0.5)
+        started = _descendants(launcher.pid)
         workers = _children(launcher.pid)
         assert len(workers) == 2, workers
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 15
-        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        writers = [p for p in started if "multiprocessing.spawn" in _command(p)]
+        assert writers, "the checkpoint writer's spawned Manager was expected"  # what used to survive
+        os.kill(launcher.pid if victim == "launcher" else workers[-1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(w) for w in workers), f"workers {workers} outlived their launcher by 15 s"
+        left = {p: _command(p)[:100] for p in started if _alive(p)}
+        assert not left, f"outlived the job by 10 s: {left}"
     finally:
-        for pid in workers + [launcher.pid]:
+        for pid in started + [launcher.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
