@@ -187,11 +187,11 @@ class WeightStashManager:
     def _owner_name(self, tensor: torch.Tensor) -> str:
         """The parameter whose storage range holds `tensor`'s first element (for messages)."""
         ptr, offset = _storage_ptr(tensor), tensor.storage_offset()
-        for i, param in enumerate(self.params):
+        for i in range(len(self.params)):
             for held in [self._live[i]] + [views[i] for views in self._slot_views]:
                 start = held.storage_offset()
                 if _storage_ptr(held) == ptr and start <= offset < start + max(held.numel(), 1):
-                    return self._names.get(id(param), f"parameter #{i}")
+                    return self.param_name(i)
         return "a weight buffer"
 
     # --- optimizer step -------------------------------------------------------
@@ -258,6 +258,31 @@ class WeightStashManager:
             "slot_version": list(self._slot_version),
             "slots": [[flat.clone() for flat in slot] for slot in self._slots],
         }
+
+    def param_name(self, index: int) -> str:
+        return self._names.get(id(self.params[index]), f"parameter #{index}")
+
+    def slot_views(self) -> list[list[torch.Tensor]]:
+        """Each slot's per-parameter views (shaped like the parameters), for checkpoints."""
+        return self._slot_views
+
+    def slot_versions(self) -> list[int]:
+        return list(self._slot_version)
+
+    @torch.no_grad()
+    def load_versions(self, newest: int, slot_version: list, slots: list) -> None:
+        """Restore from per-parameter tensors (slots x parameters), as a resharded
+        checkpoint gives them back."""
+        if len(slots) != self.slots:
+            raise ValueError(f"the checkpoint's weight stash has {len(slots)} slots, this run needs {self.slots}")
+        for views, tensors in zip(self._slot_views, slots):
+            for view, tensor in zip(views, tensors):
+                if tensor.data_ptr() != view.data_ptr():  # torch_dist may have loaded in place
+                    view.copy_(tensor)
+        self.newest = newest
+        self._slot_version = list(slot_version)
+        self._pointed = None
+        self._point_live()
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

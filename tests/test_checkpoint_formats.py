@@ -127,3 +127,47 @@ def test_a_resume_with_nothing_left_to_train_evaluates_and_exits(tmp_path):
     assert not any("lm_loss" in r for r in records), records  # no step taken
     assert any("final_val_loss" in r for r in records), records
 
+
+
+# The torch_dist stash is saved laid out like the model's weights, so it reshards with
+# them. No dropout (another layout draws other masks) and no clipping (2bw clips each
+# stage by its own norm, so another stage split clips differently); then a resume at
+# another layout equals a resume at the saved one to round-off (reduction order), 1e-5.
+RESHARD = ["--ckpt-format", "torch_dist", "--clip-grad", "0"]
+LAYOUTS = {
+    "PP=4": (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "2bw"]),
+    "PP=2 x TP=2": (4, PP2_2BW + ["--tensor-model-parallel-size", "2"]),
+    "PP=2 x DP=2": (4, PP2_2BW),
+}
+RESHARD_RTOL = 1e-5
+
+
+def _close(a, b, rtol):
+    return len(a) == len(b) and all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_torch_dist_stash_reshards_to_another_layout(tmp_path, layout):
+    ckpt, first = _first_half(tmp_path, 2, RESHARD + PP2_2BW)
+    copies = {name: tmp_path / name for name in ("same", "other", "bare")}
+    for path in copies.values():
+        shutil.copytree(ckpt, path)
+    (copies["bare"] / f"iter_{SAVED_AT:07d}" / "megatron_async.json").unlink()  # resumes without the stash
+    nproc, flags = LAYOUTS[layout]
+    same = _resumed_losses(tmp_path, 2, RESHARD + PP2_2BW, copies["same"], first, "same")
+    other = _resumed_losses(tmp_path, nproc, RESHARD + flags, copies["other"], first, "other")
+    assert _close(other, same, RESHARD_RTOL), (other, same)
+    if layout == "PP=4":  # negative control (once: 4-process runs are slow on 2 cores)
+        without = _resumed_losses(tmp_path, nproc, RESHARD + flags, copies["bare"], first, "without")
+        assert not _close(without, same, RESHARD_RTOL), "a resume without the stash must differ"
+
+
+def test_per_rank_state_at_another_layout_is_refused_naming_it(tmp_path):
+    flags = RESHARD + PP2_2BW + ["--delay-correction", "ef"]
+    ckpt, _ = _first_half(tmp_path, 2, flags)
+    proc, _ = _run(tmp_path, "pp4", 4, RESHARD + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+                                                  "2bw", "--delay-correction", "ef", "--load", str(ckpt)])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    assert "the delay-correction state" in line and "PP=2" in line and "PP=4" in line, line
+    assert "the weight stash" not in line, line  # the stash itself reshards

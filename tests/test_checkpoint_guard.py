@@ -101,6 +101,7 @@ def test_a_truncated_checkpoint_is_named_with_the_previous_complete_one(tmp_path
     assert proc.returncode == 2, proc.stdout[-4000:]
     line = next(line for line in proc.stdout.splitlines() if "cannot be loaded" in line)
     assert "iter_0000008" in line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, line
+    assert f"damaged: {shard}" in line, line  # the truncated file itself
 
 
 def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
@@ -116,3 +117,17 @@ def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
     proc, _ = _run(tmp_path, "override", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "16",
                                                           "--override-opt_param-scheduler"])
     assert proc.returncode == 0, proc.stdout[-4000:]  # the flag it names works
+
+
+def test_damaged_files_are_found_by_their_recorded_sizes(tmp_path):
+    """torch format: a truncated .pt is no whole zip archive; an intact one is not named."""
+    import torch
+
+    from megatron_async.megatron_lm.checkpoint_guard import damaged_files
+
+    good, bad = tmp_path / "mp_rank_00" / "model_optim_rng.pt", tmp_path / "mp_rank_01" / "model_optim_rng.pt"
+    for path in (good, bad):
+        path.parent.mkdir()
+        torch.save({"w": torch.arange(1000.0)}, path)
+    bad.write_bytes(bad.read_bytes()[:-100])
+    assert damaged_files(str(tmp_path)) == [str(bad)]

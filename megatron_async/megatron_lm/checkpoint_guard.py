@@ -108,9 +108,35 @@ def load_failure(root: str, iteration: int, err: BaseException) -> str:
     previous = (f"the previous complete checkpoint is iteration {older[-1]} (--ckpt-step {older[-1]})" if older
                 else "no older complete checkpoint is there")
     detail = str(err).strip().splitlines()[0] if str(err).strip() else _where(err)
-    return (f"--load {root}: the checkpoint of iteration {iteration} "
-            f"({os.path.join(root, f'iter_{iteration:07d}')}) cannot be loaded ({type(err).__name__}"
-            f"{': ' + detail if detail else ''}); {previous}")
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    damaged = damaged_files(directory)
+    named = f"; damaged: {', '.join(damaged)}" if damaged else ""
+    return (f"--load {root}: the checkpoint of iteration {iteration} ({directory}) cannot be loaded "
+            f"({type(err).__name__}{': ' + detail if detail else ''}){named}; {previous}")
+
+
+def damaged_files(directory: str) -> list[str]:
+    """Files of a checkpoint that are shorter than what it recorded (torch_dist: the byte
+    ranges in `.metadata`) or are not whole zip archives (torch format's .pt files)."""
+    damaged = []
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        needed: dict[str, int] = {}
+        for info in FileSystemReader(directory).read_metadata().storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path) or os.path.getsize(path) < size:
+                damaged.append(path)
+    except Exception:  # noqa: BLE001 - no torch_dist metadata to compare with
+        pass
+    import zipfile
+
+    for path in sorted(glob.glob(os.path.join(directory, "**", "*.pt"), recursive=True)):
+        if not zipfile.is_zipfile(path):
+            damaged.append(path)
+    return damaged
 
 
 def _where(err: BaseException) -> str:

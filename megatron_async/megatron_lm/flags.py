@@ -312,9 +312,15 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
     wanted = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
               "ep": args.expert_model_parallel_size,
               "dp": args.data_parallel_size * getattr(args, "context_parallel_size", 1)}
-    if saved is not None and saved != wanted:
-        raise FlagError(f"--load {args.load}: its 2bw state (weight stash, per rank) was saved at "
-                        f"{_layout_text(saved)} and cannot be laid out for this run's {_layout_text(wanted)}; "
+    if saved is None or saved == wanted:
+        return
+    per_rank = [name for name, held_here in (
+        ("the weight stash", held.get("stash_layout") != "sharded"),
+        ("the delay-correction state", held.get("delay_correction")),
+        ("the stale global norm", held.get("stale_global_norm"))) if held_here]
+    if per_rank:  # the sharded stash reshards with the model; per-rank state cannot
+        raise FlagError(f"--load {args.load}: {', '.join(per_rank)} of this checkpoint is kept per rank, saved at "
+                        f"{_layout_text(saved)}, and cannot be laid out for this run's {_layout_text(wanted)}; "
                         "resume at the saved layout")
 
 

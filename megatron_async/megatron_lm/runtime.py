@@ -54,18 +54,34 @@ class DelayedStepOptimizer:
         state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if STATE.stale_norm is not None:
             add_state(state, STALE_NORM_KEY, STATE.stale_norm.state_dict, is_loading, self.load_stale_norm)
-        return add_state(state, STASH_KEY, self.stash.state_dict, is_loading, self.load_stash)
+        if not is_loading or (self.load_stash and STATE.resumed.get("stash_layout") == "sharded"):
+            from megatron_async import stash_checkpoint
+
+            # laid out like the model's weights, so torch_dist reshards it with them
+            state[STASH_KEY] = stash_checkpoint.sharded_state_dict(self.stash, model_sharded_state_dict)
+            return state
+        return add_state(state, STASH_KEY, self.stash.state_dict, is_loading, self.load_stash)  # older checkpoints
 
     def load_state_dict(self, state_dict) -> None:
         from megatron_async.per_rank_state import pop_state
 
         if STATE.stale_norm is not None:
             state_dict = pop_state(state_dict, STALE_NORM_KEY, STATE.stale_norm.load_state_dict)
-        self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self.stash.load_state_dict))
+        self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self._load_stash))
         if STATE.resumed.get(STASH_KEY) and STATE.resumed.get("per_rank_state") == "files":
             from megatron_async.megatron_lm import side_state
 
             load_per_rank_state(side_state.load(STATE.resumed["loaded_from"]))
+
+    def _load_stash(self, state: dict) -> None:
+        if not self.load_stash:  # not asked for: torch_dist still returns its plain values (common state)
+            return
+        if "sharded_slots" in state:
+            from megatron_async import stash_checkpoint
+
+            stash_checkpoint.load(self.stash, state)
+        else:  # a per-rank object, as checkpoints before the sharded layout hold it
+            self.stash.load_state_dict(state)
 
     def step(self):
         from megatron.training import get_args
@@ -158,7 +174,7 @@ def saved_contents_marker() -> dict:
             STALE_NORM_KEY: STATE.stale_norm is not None,
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
             "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
-            "layout": layout()}
+            "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
 
 
 def per_rank_state_home(ckpt_format: str) -> str:
