@@ -37,8 +37,8 @@ def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second"):
 
 
 CASES = {
-    "adam": (2, PP2_2BW),
-    "muon + EF": (2, PP2_2BW + ["--optimizer", "muon", "--delay-correction", "ef"]),
+    "muon + DC-ASGD": (2, PP2_2BW + ["--optimizer", "muon", "--delay-correction", "dc-asgd"]),
+    "adam, weight prediction": (2, PP2_2BW + ["--delay-correction", "predict"]),  # two stash slots
     # one file per data-parallel rank too. (Megatron-Core 0.19.2's distributed optimizer cannot
     # resume on the CPU, without Apex or Transformer Engine, in either format and in its own
     # synchronous runs as well; it fails loudly.)
@@ -62,15 +62,28 @@ def test_torch_format_resume_equals_the_uninterrupted_run(tmp_path, case):
     resumed = _resumed_losses(tmp_path, nproc, flags, ckpt, first)
     assert len(resumed) == ITERS
     _assert_same(resumed, full)
-    if case == "adam":  # negative control: the same checkpoint without our state resumes to other losses
+    if case == "muon + DC-ASGD":  # negative control: the same checkpoint without our state resumes elsewhere
         without = _resumed_losses(tmp_path, nproc, flags, bare, first, name="without")
         with pytest.raises(AssertionError):
             _assert_same(without, full)
 
 
-def test_a_missing_rank_file_stops_the_resume_naming_it(tmp_path):
+@pytest.fixture(scope="module")
+def torch_checkpoint(tmp_path_factory):
+    """One torch-format 2bw PP=2 checkpoint at iteration SAVED_AT, saved once for the tests below."""
+    ckpt, _ = _first_half(tmp_path_factory.mktemp("torch_checkpoint"), 2, TORCH + PP2_2BW)
+    return ckpt
+
+
+def _copy(checkpoint, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    return ckpt
+
+
+def test_a_missing_rank_file_stops_the_resume_naming_it(tmp_path, torch_checkpoint):
     flags = TORCH + PP2_2BW
-    ckpt, _ = _first_half(tmp_path, 2, flags)
+    ckpt = _copy(torch_checkpoint, tmp_path)
     files = sorted((ckpt / f"iter_{SAVED_AT:07d}" / "megatron_async").glob("*.pt"))
     files[-1].unlink()
     proc, metrics = _run(tmp_path, "second", 2, flags + ["--load", str(ckpt)])
@@ -79,11 +92,11 @@ def test_a_missing_rank_file_stops_the_resume_naming_it(tmp_path):
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
 
 
-def test_a_promised_stash_that_was_not_restored_stops_the_run(tmp_path):
+def test_a_promised_stash_that_was_not_restored_stops_the_run(tmp_path, torch_checkpoint):
     """A torch-format checkpoint whose marker promises a stash that nothing restores
     (as older versions wrote them): an error, not a silent start with equal versions."""
     flags = TORCH + PP2_2BW
-    ckpt, _ = _first_half(tmp_path, 2, flags)
+    ckpt = _copy(torch_checkpoint, tmp_path)
     iteration = ckpt / f"iter_{SAVED_AT:07d}"
     shutil.rmtree(iteration / "megatron_async")
     marker = json.loads((iteration / "megatron_async.json").read_text())
@@ -95,9 +108,8 @@ def test_a_promised_stash_that_was_not_restored_stops_the_run(tmp_path):
     assert "says it holds the 2bw weight stash, but it was not restored" in proc.stdout, proc.stdout[-4000:]
 
 
-def test_another_layout_is_refused_before_training_naming_both(tmp_path):
-    flags = TORCH + PP2_2BW
-    ckpt, _ = _first_half(tmp_path, 2, flags)
+def test_another_layout_is_refused_before_training_naming_both(tmp_path, torch_checkpoint):
+    ckpt = _copy(torch_checkpoint, tmp_path)
     proc, metrics = _run(tmp_path, "pp1", 1, TORCH + ["--simulated-delay", "1", "--load", str(ckpt)])
     assert proc.returncode == 2, proc.stdout[-4000:]
     line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
@@ -105,8 +117,8 @@ def test_another_layout_is_refused_before_training_naming_both(tmp_path):
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
 
 
-def test_a_synchronous_resume_says_it_does_not_use_the_stash(tmp_path):
-    ckpt, _ = _first_half(tmp_path, 2, TORCH + PP2_2BW)
+def test_a_synchronous_resume_says_it_does_not_use_the_stash(tmp_path, torch_checkpoint):
+    ckpt = _copy(torch_checkpoint, tmp_path)
     proc, metrics = _run(tmp_path, "sync", 2, TORCH + ["--pipeline-model-parallel-size", "2", "--load", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "this run is synchronous and does not use it" in proc.stdout
@@ -146,19 +158,25 @@ def _close(a, b, rtol):
     return len(a) == len(b) and all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b))
 
 
+@pytest.fixture(scope="module")
+def reshard_reference(tmp_path_factory):
+    """A torch_dist 2bw PP=2 checkpoint at SAVED_AT, and its resume at PP=2 (the reference)."""
+    root = tmp_path_factory.mktemp("reshard")
+    ckpt, first = _first_half(root, 2, RESHARD + PP2_2BW)
+    same = _resumed_losses(root, 2, RESHARD + PP2_2BW, _copy(ckpt, root / "same"), first, "same")
+    return ckpt, first, same
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_torch_dist_stash_reshards_to_another_layout(tmp_path, layout):
-    ckpt, first = _first_half(tmp_path, 2, RESHARD + PP2_2BW)
-    copies = {name: tmp_path / name for name in ("same", "other", "bare")}
-    for path in copies.values():
-        shutil.copytree(ckpt, path)
-    (copies["bare"] / f"iter_{SAVED_AT:07d}" / "megatron_async.json").unlink()  # resumes without the stash
+def test_torch_dist_stash_reshards_to_another_layout(tmp_path, layout, reshard_reference):
+    ckpt, first, same = reshard_reference
     nproc, flags = LAYOUTS[layout]
-    same = _resumed_losses(tmp_path, 2, RESHARD + PP2_2BW, copies["same"], first, "same")
-    other = _resumed_losses(tmp_path, nproc, RESHARD + flags, copies["other"], first, "other")
+    other = _resumed_losses(tmp_path, nproc, RESHARD + flags, _copy(ckpt, tmp_path / "other"), first, "other")
     assert _close(other, same, RESHARD_RTOL), (other, same)
     if layout == "PP=4":  # negative control (once: 4-process runs are slow on 2 cores)
-        without = _resumed_losses(tmp_path, nproc, RESHARD + flags, copies["bare"], first, "without")
+        bare = _copy(ckpt, tmp_path / "bare")
+        (bare / f"iter_{SAVED_AT:07d}" / "megatron_async.json").unlink()  # resumes without the stash
+        without = _resumed_losses(tmp_path, nproc, RESHARD + flags, bare, first, "without")
         assert not _close(without, same, RESHARD_RTOL), "a resume without the stash must differ"
 
 

@@ -154,6 +154,7 @@ RESUME = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--ckpt-forma
 
 RESUMED = {**{name: OPTIMIZERS[name] for name in ("adam", "muon+ef")},
            "adam, weight prediction": ["--delay-correction", "predict"],
+           "adam, DC-ASGD": ["--delay-correction", "dc-asgd"],
            "adam, Nesterov look-ahead": ["--delay-correction", "nesterov"],
            "adam, stale-global clipping": ["--clip-grad-mode", "stale-global", "--clip-grad", "0.05"]}
 
