@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from bench import delay_sweep_report as report
-from bench.sweep_runner import DEFAULT_MODES, MODES, Model, Run, cell, prepare_dirs, run_all, run_name
+from bench.sweep_runner import (DEFAULT_MODES, MODES, PRESETS, Model, Run, cell, prepare_dirs, run_all,
+                                run_name)
 
 LR_GRID = {
     "adam": [1e-3, 2e-3, 4e-3, 8e-3],
@@ -103,6 +104,13 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--data", default="data/shakespeare", help="prepared corpus (megatron-async-prepare-data)")
     p.add_argument("--img-dir", default=None, help="where the PNGs go (default: OUT)")
     p.add_argument("--optimizers", default="adam,muon,lion,soap")
+    p.add_argument("--model", default="dense", choices=sorted(PRESETS),
+                   help="dense: 4 layers, hidden 128 (1.9M parameters); dense-large: 8 layers, hidden 256; moe: the "
+                        "dense model with 8 experts per MLP, top-2, about the same active parameters (use a separate "
+                        "--archive per model: an archived run of another model is never reused)")
+    p.add_argument("--muon-matmul-prec", default=None, choices=["medium", "high"],
+                   help="Muon's --muon-fp32-matmul-prec (default: Megatron's, medium: bf16 Newton-Schulz, which the "
+                        "CPU emulates about 25x slower than high); part of what an archived run must match")
     p.add_argument("--seeds", type=int, default=3, help="seeds per (optimizer, mode) at the best lr")
     p.add_argument("--search-seeds", type=int, default=2, help="seeds per learning rate in the search")
     p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 150)")
@@ -164,13 +172,14 @@ def parse(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     root, data, img_dir = prepare_dirs(args.out, args.data, args.img_dir)
-    model = Model()
+    model = Model(**PRESETS[args.model], muon_matmul_prec=args.muon_matmul_prec)
     optimizers = args.optimizers.split(",")
     grids = {o: [args.fixed_lr[o]] if o in args.fixed_lr else args.lr_grid.get(o, LR_GRID[o]) for o in optimizers}
     seeds, search_seeds, modes = list(range(args.seeds)), list(range(args.search_seeds)), args.modes
     if args.quick:
+        moe = dict(num_experts=model.num_experts, moe_ffn_hidden_size=128) if model.num_experts else {}
         model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,
-                      iters=20, eval_interval=10, eval_iters=2)
+                      iters=20, eval_interval=10, eval_iters=2, muon_matmul_prec=model.muon_matmul_prec, **moe)
         optimizers, seeds, search_seeds, modes = ["adam", "muon"], [0], [0], ["sync", "async"]
         grids = {o: [2e-3] for o in optimizers}
     if args.eval_interval:

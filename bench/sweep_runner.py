@@ -14,6 +14,7 @@ import concurrent.futures
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -57,11 +58,46 @@ class Model:
     eval_interval: int = 25
     eval_iters: int = 10
     save_interval: int = 0  # > 0: Megatron checkpoints every this many steps; an interrupted run resumes
+    num_experts: int = 0  # > 0: every MLP an MoE layer (top-k routing, aux loss)
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 2
+    moe_aux_loss_coeff: float = 1e-2  # Megatron's usual coefficient
+    # Muon's Newton-Schulz matmuls: Megatron's default "medium" (None) runs them in
+    # bf16, which the CPU emulates about 25x slower than "high" (fp32); issue 30's
+    # studies use "high", for every run they compare
+    muon_matmul_prec: str | None = None
+
+    def architecture(self) -> list[str]:
+        """The flags that define the network: what archived runs must share to be reused."""
+        flags = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+                 "--num-attention-heads", str(self.heads), "--seq-length", str(self.seq_length)]
+        if self.num_experts:
+            flags += ["--num-experts", str(self.num_experts), "--moe-router-topk", str(self.moe_topk),
+                      "--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size),
+                      "--moe-aux-loss-coeff", f"{self.moe_aux_loss_coeff:g}"]
+        return flags
+
+    def parameters(self, padded_vocab: int = 4096) -> int:
+        """Megatron's parameter count for this GPT (untied output layer, learned positions;
+        the MoE model has no linear biases), at the Shakespeare tokenizer's padded
+        vocabulary. Runs record Megatron's own count; this is for runs that did not."""
+        h, f = self.hidden_size, self.moe_ffn_hidden_size
+        if self.num_experts:
+            layer = 4 * h * h + 4 * h + self.num_experts * (h + 2 * h * f)
+        else:
+            layer = 12 * h * h + 13 * h
+        return self.num_layers * layer + 2 * padded_vocab * h + self.seq_length * h + 2 * h
+
+    def recipe(self) -> list[str]:
+        """Training flags besides the network's that archived runs must share to be reused."""
+        return ["--muon-fp32-matmul-prec", self.muon_matmul_prec] if self.muon_matmul_prec else []
 
     def flags(self) -> list[str]:
+        # no biases in the MoE model (Megatron's expert layers add them in place on a view on the CPU path)
+        moe = ["--moe-router-load-balancing-type", "aux_loss", "--moe-token-dispatcher-type", "alltoall",
+               "--disable-bias-linear"]
         return [
-            "--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
-            "--num-attention-heads", str(self.heads), "--seq-length", str(self.seq_length),
+            *self.architecture(), *(moe if self.num_experts else []), *self.recipe(),
             "--max-position-embeddings", str(self.seq_length),
             "--micro-batch-size", str(self.micro_batch_size), "--global-batch-size", str(self.global_batch_size),
             "--train-iters", str(self.iters), "--eval-interval", str(self.eval_interval),
@@ -71,6 +107,33 @@ class Model:
             "--weight-decay", "0.1", "--clip-grad", "1.0",
             "--position-embedding-type", "learned_absolute", "--rerun-mode", "disabled", "--num-workers", "0",
         ]
+
+
+# The models of the delay studies (issue 30): the dense GPT of docs/reproduction.md
+# (1.9M parameters), one at least 4x larger, and the dense GPT with every MLP an MoE
+# layer of 8 experts, top-2, each expert half the dense MLP's width, so a token's
+# active parameters are about the dense model's.
+OPTIONAL_FLAGS = ("--num-experts", "--muon-fp32-matmul-prec")  # absent in some models' commands
+PRESETS = {
+    "dense": {},
+    "dense-large": {"num_layers": 8, "hidden_size": 256},
+    "moe": {"num_experts": 8, "moe_topk": 2, "moe_ffn_hidden_size": 2 * 128},
+}
+
+
+def mismatched_architecture(command: str, model: Model) -> str | None:
+    """The first network or recipe flag (Model.architecture, Model.recipe) whose value in
+    an archived run's `command` differs from `model`'s, or None. A flag one side lacks
+    counts as absent there."""
+    words = command.split()
+    given = dict(zip(words, words[1:] + [""]))
+    wanted = model.architecture() + model.recipe()
+    wanted_values = dict(zip(wanted[::2], wanted[1::2]))
+    for flag in [*wanted_values, *(f for f in OPTIONAL_FLAGS if f not in wanted_values)]:
+        if given.get(flag) != wanted_values.get(flag):
+            return (f"{flag} {given.get(flag, '(absent)')} in the archived run, "
+                    f"{wanted_values.get(flag, '(absent)')} in this sweep")
+    return None
 
 
 @dataclass
@@ -106,6 +169,24 @@ def _final_val_loss(records):
     return final[-1] if final else [r["val_loss"] for r in records if "val_loss" in r][-1]
 
 
+def routing_windows(records, window: int) -> dict | None:
+    """An MoE run's routing records (megatron_lm/moe_routing) as means over consecutive
+    windows of `window` iterations: {iterations (each window's last), aux_loss,
+    load_imbalance, load_imbalance_layers}; None for a dense run."""
+    rows = [r for r in records if r.get("moe_load_imbalance") is not None]
+    if not rows:
+        return None
+    out = {"iterations": [], "aux_loss": [], "load_imbalance": [], "load_imbalance_layers": []}
+    for start in range(0, len(rows), window):
+        chunk = rows[start:start + window]
+        out["iterations"].append(chunk[-1]["iteration"])
+        out["aux_loss"].append(statistics.fmean(r.get("moe_aux_loss") or 0.0 for r in chunk))
+        out["load_imbalance"].append(statistics.fmean(r["moe_load_imbalance"] for r in chunk))
+        layers = zip(*(r["moe_load_imbalance_layers"] for r in chunk))
+        out["load_imbalance_layers"].append([statistics.fmean(v) if None not in v else None for v in layers])
+    return out
+
+
 def _die_with_parent() -> None:
     """Linux: the run gets SIGTERM when the sweep's thread that started it dies, so a
     killed sweep leaves no training job behind (torchrun passes it to its workers)."""
@@ -121,7 +202,11 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, ar
     kept = archive / f"{run.name}.json" if archive else None
     for path in (result_path, kept):
         if path is not None and path.exists():
-            return {**json.loads(path.read_text()), "skipped": True}
+            result = json.loads(path.read_text())
+            other = mismatched_architecture(result.get("command", ""), model)
+            if other:  # never reuse a run of another network under this one's name
+                raise RuntimeError(f"{path}: trained another model ({other}); use another --archive or --out")
+            return {**result, "skipped": True}
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoints"
     resume = model.save_interval > 0 and (ckpt / "latest_checkpointed_iteration.txt").exists()
@@ -149,6 +234,12 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, ar
     result = dict(name=run.name, optimizer=run.optimizer, lr=run.lr, mode=run.mode, seed=run.seed,
                   nproc=run.nproc, final_val_loss=_final_val_loss(records), val_curve=vals, train_curve=losses,
                   seconds=round(seconds, 1), command=" ".join(cmd[1:]), resumed=resume)
+    counted = re.search(r"number of parameters on .*?: (\d+)", (out / "train.log").read_text(errors="replace"))
+    if counted and run.nproc == 1:
+        result["parameters"] = int(counted.group(1))
+    routing = routing_windows(records, model.eval_interval)
+    if routing is not None:
+        result["routing"] = routing
     result_path.write_text(json.dumps(result))
     shutil.rmtree(ckpt, ignore_errors=True)  # the result is kept; the checkpoints were only for resuming
     if kept is not None:

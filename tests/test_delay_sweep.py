@@ -183,3 +183,61 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(small_corpus, tmp_path):
     assert [i for i, _ in done["train_curve"]] == list(range(1, 21))
     assert [tuple(p) for p in done["train_curve"][:10]] == first
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_an_archived_run_of_another_model_or_recipe_is_not_reused(tmp_path):
+    """Runs are archived by name only (optimizer, lr, mode, seed): a run of another
+    network, or with another Newton-Schulz precision, must not stand in for this one."""
+    from bench.sweep_runner import PRESETS, Model, Run, execute
+
+    dense = Model()
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    command = " ".join(["-m", "megatron_async.launch", "--gpt", *dense.flags()])
+    (archive / "adam_lr0.002_sync_s0.json").write_text(json.dumps({"final_val_loss": 4.5, "command": command}))
+    run = Run("adam_lr0.002_sync_s0", "adam", 0.002, "sync", 0)
+    for other, flag in ((Model(**PRESETS["moe"]), "--num-experts"), (Model(**PRESETS["dense-large"]), "--num-layers"),
+                        (Model(muon_matmul_prec="high"), "--muon-fp32-matmul-prec")):
+        with pytest.raises(RuntimeError, match=flag):
+            execute(run, other, tmp_path / "no-data", tmp_path / "out", 10.0, archive)
+    # control: the model that trained it reuses it
+    assert execute(run, dense, tmp_path / "no-data", tmp_path / "out", 10.0, archive)["skipped"]
+
+
+def test_presets_and_their_sizes():
+    """dense-large has at least 4x the dense model's parameters; the MoE model has 8
+    experts, top-2, each half the dense MLP's width (so about the dense active size)."""
+    from bench.sweep_runner import PRESETS, Model
+
+    dense, large, moe = (Model(**PRESETS[k]) for k in ("dense", "dense-large", "moe"))
+    assert large.parameters() >= 4 * dense.parameters()
+    flags = moe.flags()
+    value = dict(zip(flags, flags[1:]))
+    assert value["--num-experts"] == "8" and value["--moe-router-topk"] == "2"
+    assert value["--moe-aux-loss-coeff"] == "0.01" and value["--moe-router-load-balancing-type"] == "aux_loss"
+    h = moe.hidden_size
+    active_mlp = moe.moe_topk * 2 * h * moe.moe_ffn_hidden_size
+    assert active_mlp == 2 * h * 4 * h  # the dense MLP: h -> 4h -> h
+    assert "--num-experts" not in dense.flags() and "--muon-fp32-matmul-prec" not in dense.flags()
+
+
+def test_quick_moe_sweep_keeps_routing_and_megatrons_parameter_count(small_corpus, tmp_path):
+    import sentencepiece
+
+    from bench.sweep_runner import PRESETS, Model
+
+    out = tmp_path / "moe"
+    _sweep(out, small_corpus, "--model", "moe", "--muon-matmul-prec", "high")
+    run = json.loads((out / "runs" / "muon_lr0.002_async_s0" / "result.json").read_text())
+    assert "--muon-fp32-matmul-prec high" in run["command"]
+    routing = run["routing"]
+    assert routing["iterations"] == [10, 20]  # means over each --eval-interval window
+    assert all(1.0 <= x <= 4.0 for x in routing["load_imbalance"]) and all(a > 0 for a in routing["aux_loss"])
+    assert all(len(layers) == 2 for layers in routing["load_imbalance_layers"])
+    vocab = sentencepiece.SentencePieceProcessor(model_file=str(small_corpus / "tokenizer.model")).vocab_size()
+    padded = -(-vocab // 128) * 128
+    quick = Model(num_layers=2, hidden_size=64, seq_length=64, num_experts=PRESETS["moe"]["num_experts"],
+                  moe_ffn_hidden_size=128)
+    assert run["parameters"] == quick.parameters(padded)  # the formula the archive's older runs rely on
+    adam_sync = json.loads((out / "runs" / "adam_lr0.002_sync_s0" / "result.json").read_text())
+    assert adam_sync["routing"]["iterations"] == [10, 20]

@@ -4,7 +4,9 @@ Each Hook names a module attribute that Megatron looks up at call time, the line
 of Megatron-Core 0.19.2 (= Megatron-LM core_r0.19.0, f8837c04) that calls it, and
 how it is wrapped. `install()` checks that every name exists before changing
 anything, and fails naming the missing one on another Megatron version.
-Nothing else in the project patches Megatron's training package.
+Nothing else in the project patches Megatron's training package. Besides these,
+`_train` registers forward hooks on an MoE model's TopKRouter modules
+(moe_routing: tokens per expert, for --metrics-json).
 """
 
 from __future__ import annotations
@@ -125,6 +127,12 @@ def _train(original):
 
             # the interval timer's barrier (every --log-interval) over this stage only
             get_timers()("interval-time", log_level=0).set_barrier_group(runtime.stage_group())
+        from megatron.training import get_args
+
+        if get_args().num_experts and get_args().metrics_json:  # forward hooks on its TopKRouters
+            from megatron_async.megatron_lm import moe_routing
+
+            moe_routing.attach(kwargs["model"] if "model" in kwargs else args[1])
         result = original(*args, **kwargs)
         runtime.finish()
         return result
@@ -133,12 +141,27 @@ def _train(original):
 
 
 def _training_log(original):
-    from megatron_async.megatron_lm.metrics import record_iteration
+    from megatron_async.megatron_lm.metrics import record_iteration, record_routing
 
     @functools.wraps(original)
     def hooked(*args, **kwargs):
         record_iteration(original, args, kwargs)
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        record_routing(original, args, kwargs)  # after Megatron's MoE report, which it reads
+        return result
+
+    return hooked
+
+
+def _moe_aggregate(original):
+    """The per-layer aux loss as Megatron averages it, for the routing record."""
+
+    @functools.wraps(original)
+    def hooked(self, loss_scale, num_moe_layers, metric_names, *args, **kwargs):
+        from megatron_async.megatron_lm import moe_routing
+
+        moe_routing.capture_aux(self, loss_scale, metric_names)
+        return original(self, loss_scale, num_moe_layers, metric_names, *args, **kwargs)
 
     return hooked
 
@@ -360,6 +383,8 @@ HOOKS = (
     Hook(T, "set_jit_fusion_options", "training.py:1117 pretrain (skipped on CPU only)", _set_jit_fusion_options),
     Hook("megatron.core.transformer.moe.moe_logging:MoEMetricsTracker", "_sync_metrics",
          "moe_logging.py:188 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_metrics_sync),
+    Hook("megatron.core.transformer.moe.moe_logging:MoEMetricsTracker", "_aggregate",
+         "moe_logging.py:191 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_aggregate),
 )
 
 

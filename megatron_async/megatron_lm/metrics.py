@@ -77,6 +77,23 @@ def record_iteration(training_log, args, kwargs) -> None:
     out.flush()
 
 
+def record_routing(training_log, args, kwargs) -> None:
+    """An MoE model's routing this iteration (moe_routing); every rank takes part."""
+    from megatron.training import get_args
+
+    margs = get_args()
+    if not margs.num_experts or not margs.metrics_json:
+        return
+    from megatron_async.megatron_lm import moe_routing
+
+    iteration = _STATE["signature"].bind(*args, **kwargs).arguments["iteration"]
+    record = moe_routing.take_record(iteration, margs.num_layers, margs.num_experts)
+    out = _writer()
+    if out is not None and record is not None:
+        out.write(json_line(record))
+        out.flush()
+
+
 def evaluation_context(prefix: str, iteration: int) -> None:
     """Set by evaluate_and_print_results: which split and iteration the next evaluate is for."""
     if "test set" in prefix:
