@@ -87,7 +87,8 @@ def record_routing(training_log, args, kwargs) -> None:
     from megatron_async.megatron_lm import moe_routing
 
     iteration = _STATE["signature"].bind(*args, **kwargs).arguments["iteration"]
-    record = moe_routing.take_record(iteration, margs.num_layers, margs.num_experts)
+    layers = margs.num_layers + (getattr(margs, "mtp_num_layers", None) or 0)  # MTP layers number after the rest
+    record = moe_routing.take_record(iteration, layers, margs.num_experts)
     out = _writer()
     if out is not None and record is not None:
         out.write(json_line(record))
