@@ -289,3 +289,15 @@ def test_stale_global_clipping_is_the_one_cross_stage_reduction(tmp_path):
     # iteration 4 runs at W2, from step 1, the first clipped by a stale global norm
     assert len(stale) == ITERS and stale[:3] == local[:3]
     assert stale[3] != local[3]
+
+
+def test_every_hooked_megatron_name_is_listed_in_the_docs():
+    """docs/megatron_lm.md's table names every function the plugin hooks."""
+    from pathlib import Path
+
+    from megatron_async.megatron_lm import hooks
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "megatron_lm.md").read_text()
+    missing = [f"{h.module}.{h.name}" for h in hooks.HOOKS
+               if f"{h.module.replace(':', '.')}.{h.name}`" not in doc and f"`{h.name}`" not in doc]
+    assert not missing, f"docs/megatron_lm.md does not list: {missing}"
