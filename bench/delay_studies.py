@@ -40,17 +40,18 @@ def _flags(command: str) -> dict[str, str]:
 
 
 def model_of(run: dict) -> Model:
-    """The network a run trained, from its recorded command line."""
+    """The network (and Newton-Schulz precision) a run trained with, from its command line."""
     f = _flags(run["command"])
     return Model(num_layers=int(f["--num-layers"]), hidden_size=int(f["--hidden-size"]),
                  heads=int(f["--num-attention-heads"]), seq_length=int(f["--seq-length"]),
                  num_experts=int(f.get("--num-experts", 0)), moe_ffn_hidden_size=int(f.get("--moe-ffn-hidden-size", 0)),
-                 moe_topk=int(f.get("--moe-router-topk", 2)))
+                 moe_topk=int(f.get("--moe-router-topk", 2)), muon_matmul_prec=f.get("--muon-fp32-matmul-prec"))
 
 
 def label(model: Model) -> str:
     name = f"{model.num_layers}L/{model.hidden_size}H"
-    return name + (f", {model.num_experts} experts top-{model.moe_topk}" if model.num_experts else "")
+    name += f", {model.num_experts} experts top-{model.moe_topk}" if model.num_experts else ""
+    return name + (f", NS {model.muon_matmul_prec}" if model.muon_matmul_prec else "")
 
 
 def load(directory) -> list[dict]:
