@@ -5,8 +5,9 @@ Three reports, each rebuilt from runs kept in bench/archive by bench/delay_sweep
 checked against them by tests/test_delay_studies.py:
 
     # MoE against dense at equal tokens: gaps, EF's recovery, and what the delay does to routing
-    python -m bench.delay_studies moe --dense bench/archive/shakespeare_600_fp32ns \\
-        --moe bench/archive/shakespeare_moe_600 --plot docs/img/moe_routing.png
+    python -m bench.delay_studies moe --dense bench/archive/shakespeare_600 \\
+        --dense bench/archive/shakespeare_600_fp32ns --moe bench/archive/shakespeare_moe_600 \\
+        --plot docs/img/moe_routing.png
     # Muon's gap at each --muon-momentum (the paper: higher momentum absorbs the staleness)
     python -m bench.delay_studies momentum --archive bench/archive/shakespeare_600_fp32ns
     # Muon's and AdamW's relative gap against parameters (the paper: it shrinks with size)
@@ -231,7 +232,8 @@ def plot_size(rows: list[dict], path: str) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("study", choices=["moe", "momentum", "size"])
-    ap.add_argument("--dense", help="moe: the dense model's archive at the same length")
+    ap.add_argument("--dense", action="append", default=[],
+                    help="moe: the dense model's archive(s) at the same length (repeatable)")
     ap.add_argument("--moe", help="moe: the MoE model's archive")
     ap.add_argument("--archive", action="append", default=[], help="momentum, size: archive(s) (repeatable)")
     ap.add_argument("--plot")
@@ -240,7 +242,7 @@ def main(argv=None) -> dict:
     if args.study == "moe":
         if not (args.dense and args.moe):
             ap.error("moe: give --dense and --moe archives")
-        rows = tuned_rows(args.dense) + tuned_rows(args.moe)
+        rows = [r for d in args.dense for r in tuned_rows(d)] + tuned_rows(args.moe)
         text = "\n\n".join([gap_table(rows), moe_targets(rows), routing_table(rows)])
         if args.plot:
             plot_routing(rows, args.plot)

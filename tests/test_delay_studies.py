@@ -110,7 +110,8 @@ def test_size_rows_order_models_by_parameters(tmp_path):
 
 
 DOC_STUDIES = {  # report argv -> the archives it needs (a study whose runs are not all in is not checked yet)
-    "moe": (["moe", "--dense", "bench/archive/shakespeare_600", "--moe", "bench/archive/shakespeare_moe_600"],
+    "moe": (["moe", "--dense", "bench/archive/shakespeare_600", "--dense", "bench/archive/shakespeare_600_fp32ns",
+             "--moe", "bench/archive/shakespeare_moe_600"],
             ["shakespeare_600", "shakespeare_moe_600"]),
     "momentum": (["momentum", "--archive", "bench/archive/shakespeare_600_fp32ns"], ["shakespeare_600_fp32ns"]),
     "size": (["size", "--archive", "bench/archive/shakespeare_600", "--archive", "bench/archive/shakespeare_600_fp32ns",
