@@ -59,7 +59,8 @@ def test_archived_results_are_reused(tmp_path):
 
     archive = tmp_path / "archive"
     archive.mkdir()
-    kept = {"name": "adam_lr0.002_sync_s0", "final_val_loss": 4.5, "seconds": 1.0}
+    kept = {"name": "adam_lr0.002_sync_s0", "final_val_loss": 4.5, "seconds": 1.0,
+            "command": " ".join(["-m", "megatron_async.launch", "--gpt", *Model().flags()])}
     (archive / "adam_lr0.002_sync_s0.json").write_text(json.dumps(kept))
     result = execute(Run("adam_lr0.002_sync_s0", "adam", 0.002, "sync", 0), Model(), tmp_path / "no-data",
                      tmp_path / "out", 10.0, archive)
