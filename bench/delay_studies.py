@@ -120,10 +120,12 @@ def _window_means(runs: list[dict], key: str) -> list[float]:
 
 def routing_table(rows: list[dict]) -> str:
     """Aux loss and load imbalance (max / mean tokens per expert, mean over layers) in the
-    first, middle and last windows, and the worst layer's last window, sync against
-    delayed; the per-seed last-window imbalance to read the difference against."""
+    first, middle and last windows, the imbalance's mean over all windows, and the worst
+    layer's last window, sync against delayed; the per-seed last-window imbalance to read
+    the difference against."""
     lines = ["| optimizer | mode | seeds | aux loss: first / middle / last | imbalance: first / middle / last | "
-             "worst layer, last | last imbalance per seed |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "imbalance, mean of windows | worst layer, last | last imbalance per seed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted((r for r in rows if "experts" in r["model"]), key=lambda r: r["optimizer"]):
         for mode, runs in r["runs"].items():
             runs = sorted((x for x in runs if "routing" in x), key=lambda x: x["seed"])
@@ -132,7 +134,8 @@ def routing_table(rows: list[dict]) -> str:
             aux, imb = _window_means(runs, "aux_loss"), _window_means(runs, "load_imbalance")
             pick = lambda xs: " / ".join(f"{xs[i]:.3f}" for i in (0, len(xs) // 2, -1))
             worst = statistics.fmean(max(x["routing"]["load_imbalance_layers"][-1]) for x in runs)
-            lines.append(f"| {r['optimizer']} | {mode} | {len(runs)} | {pick(aux)} | {pick(imb)} | {worst:.3f} | "
+            lines.append(f"| {r['optimizer']} | {mode} | {len(runs)} | {pick(aux)} | {pick(imb)} | "
+                         f"{statistics.fmean(imb):.3f} | {worst:.3f} | "
                          + ", ".join(f"{x['routing']['load_imbalance'][-1]:.3f}" for x in runs) + " |")
     return "\n".join(lines)
 
