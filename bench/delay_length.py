@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench import archive_summary
 from bench.delay_sweep_report import CORRECTIONS
-from bench.results import emit
+from bench.results import emit, save_figure
 
 
 def _per_seed_recovery(row: dict, mode: str) -> list[float]:
@@ -170,13 +170,7 @@ def plot(table: list[dict], path: str) -> str:
     for ax in (left, right):
         ax.set_xticks([t for t, _ in ticks], [f"{t / 1e6:.2f}M\n{n} steps" for t, n in ticks])
         ax.minorticks_off()
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, (left, right), path)
 
 
 def main(argv=None) -> dict:

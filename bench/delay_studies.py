@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench import archive_summary, delay_length
-from bench.results import emit
+from bench.results import emit, save_figure
 from bench.sweep_runner import MUON_MOMENTUM, Model
 
 MODES = ("sync", "async", "async+ef")
@@ -161,14 +161,7 @@ def plot_routing(rows: list[dict], path: str) -> str:
                         label=f"{r['optimizer']} {mode}")
     axes[0].set(xlabel="step", ylabel="max / mean tokens per expert", title="expert-load imbalance (mean of layers)")
     axes[1].set(xlabel="step", ylabel="Megatron's load_balancing_loss", title="aux loss (mean of layers)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, axes, path)
 
 
 def momentum_rows(directory) -> list[dict]:
@@ -223,13 +216,7 @@ def plot_size(rows: list[dict], path: str) -> str:
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=4, color=colour, label=f"{opt} (bars: seeds)")
     ax.set(xscale="log", xlabel="parameters", ylabel="gap async - sync, % of sync loss",
            title="one-step delay gap vs model size")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, [ax], path, legend_fontsize=8)
 
 
 def main(argv=None) -> dict:
