@@ -110,7 +110,7 @@ def parse(argv) -> argparse.Namespace:
                         "--archive per model: an archived run of another model is never reused)")
     p.add_argument("--muon-matmul-prec", default=None, choices=["medium", "high"],
                    help="Muon's --muon-fp32-matmul-prec (default: Megatron's, medium: bf16 Newton-Schulz, which the "
-                        "CPU emulates about 25x slower than high); part of what an archived run must match")
+                        "CPU emulates 17-31x slower than high: bench/muon_matmul_precision); part of what an archived run must match")
     p.add_argument("--seeds", type=int, default=3, help="seeds per (optimizer, mode) at the best lr")
     p.add_argument("--search-seeds", type=int, default=2, help="seeds per learning rate in the search")
     p.add_argument("--iters", type=int, default=None, help="training iterations per run (default 150)")

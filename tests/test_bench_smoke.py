@@ -110,3 +110,12 @@ def test_quick_stash_overhead_times_every_mode(tmp_path):
     for mode in stash_overhead.MODES:
         times = result["per_cycle"][mode]
         assert len(times) == result["cycles"] and all(t > 0 for t in times), mode
+
+
+def test_quick_muon_matmul_precision_times_both_settings(tmp_path):
+    from bench import muon_matmul_precision
+
+    rows = muon_matmul_precision.main(["--quick", "--json", str(tmp_path / "p.json")])["rows"]
+    assert rows and all(r["medium_ms"] > 0 and r["high_ms"] > 0 for r in rows.values())
+    # the two precisions give close but not identical orthogonalisations
+    assert all(0 < r["relative_difference"] < 0.05 for r in rows.values())
