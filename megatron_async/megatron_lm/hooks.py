@@ -147,7 +147,7 @@ def _training_log(original):
     def hooked(*args, **kwargs):
         record_iteration(original, args, kwargs)
         result = original(*args, **kwargs)
-        record_routing(original, args, kwargs)  # after Megatron's MoE report, which it reads
+        record_routing(args, kwargs)  # after Megatron's MoE report, which it reads
         return result
 
     return hooked

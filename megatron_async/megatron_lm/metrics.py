@@ -77,7 +77,7 @@ def record_iteration(training_log, args, kwargs) -> None:
     out.flush()
 
 
-def record_routing(training_log, args, kwargs) -> None:
+def record_routing(args, kwargs) -> None:
     """An MoE model's routing this iteration (moe_routing); every rank takes part."""
     from megatron.training import get_args
 

@@ -27,10 +27,9 @@ def _count(router, _inputs, output) -> None:
     if not router.training or router.layer_number is None:
         return
     routing_map = output[1]
-    tokens = routing_map.reshape(-1, routing_map.shape[-1]).sum(dim=0).to(torch.float64)
+    tokens = routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(dim=0, dtype=torch.float64)
     counts = _STATE["counts"]
-    layer = router.layer_number
-    counts[layer] = counts[layer] + tokens.detach() if layer in counts else tokens.detach().clone()
+    counts[router.layer_number] = counts.get(router.layer_number, 0) + tokens
 
 
 def attach(model_chunks) -> int:
