@@ -69,3 +69,24 @@ def test_warm_launch_times_out_naming_the_ranks_still_running():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 5 s"):
         warm_run("megatron_async.testing.rank_exit", ["7", "0"], nproc=2, timeout_s=5)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
+
+
+def test_rendezvous_ports_are_below_the_ephemeral_range():
+    """The store's port is one no connection can be handed meanwhile (the EADDRINUSE of
+    two pytest workers): below the kernel's ephemeral range, free, and not the same
+    sequence twice (the choice is not seeded by tests that seed `random`)."""
+    import random
+    import socket
+
+    from megatron_async.testing.multiprocess import _ephemeral_ports, free_port
+
+    low = _ephemeral_ports()[0]
+    random.seed(0)
+    first = [free_port() for _ in range(20)]
+    random.seed(0)
+    second = [free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in first + second), (low, first)
+    assert first != second
+    for port in first[:3]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import random
 import socket
 import time
 import traceback
@@ -44,10 +45,34 @@ class RanksTimedOut(TimeoutError):
     """Some ranks neither finished nor raised within the timeout."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(attempts: int = 100) -> int:
+    """A port for a rendezvous store, below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) is free only until the store binds it, and
+    meanwhile any other process's connection or gloo pair can be given the same
+    ephemeral port (EADDRINUSE, seen with two pytest workers). Outside that range only
+    an explicit bind can take it; the random choice (not seeded by tests) keeps two
+    workers apart."""
+    low = min(_ephemeral_ports()[0], 32768)
+    rng = random.SystemRandom()
+    for _ in range(attempts):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range after {attempts} tries")
 
 
 _CTX = None
