@@ -35,7 +35,9 @@ from megatron_async.testing.trajectory import assert_same_trajectory
 # the model part of a Megatron command line (TinyGPT's sizes), and the optimizer flags under test
 MEGATRON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8"]
+            "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+            # what the plugin's checks need too, for a worker that has installed its hooks
+            "--train-iters", "10", "--eval-interval", "10"]
 FLAGS = ["--optimizer", "muon", "--lr", "0.02", "--weight-decay", "0.1", "--clip-grad", "0",
          "--muon-coefficient-type", "simple"]
 DIRECTION_TOL, SCALE_TOL = 1e-3, 1e-2  # 1 - cosine, |norm ratio - 1| of each update
@@ -338,7 +340,7 @@ def test_flags_reach_the_optimizer_config():
         0.8, True, 7, "unit_rms_norm", 0.3, "duplicated", False, 0.9, "high", "simple")
     # Megatron-LM's translation: the layer-wise optimizer, not the byte-sharded one
     assert config.use_layer_wise_distributed_optimizer and not config.use_distributed_optimizer
-    defaults, _ = megatron_optimizer_config(["--optimizer", "muon"])
+    defaults, _ = megatron_optimizer_config(["--optimizer", "muon", "--lr", "0.02"])
     assert (defaults.muon_momentum, defaults.muon_tp_mode, defaults.muon_scale_mode) == (0.9, "blockwise", "spectral")
 
 
