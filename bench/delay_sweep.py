@@ -143,7 +143,8 @@ def parse(argv) -> argparse.Namespace:
                         "--timeout) resumes at its last checkpoint on the next invocation; removed once the run ends")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--quick", action="store_true",
-                   help="adam and muon, sync and async, 20 iterations, 1 seed, fixed lr: a smoke test")
+                   help="adam and muon (those of them --optimizers names), sync and async, 20 iterations, 1 seed, "
+                        "fixed lr: a smoke test")
     args = p.parse_args(argv)
     unknown = [o for o in args.optimizers.split(",") if o not in LR_GRID]
     if unknown:
@@ -180,7 +181,8 @@ def main(argv=None) -> int:
         moe = dict(num_experts=model.num_experts, moe_ffn_hidden_size=128) if model.num_experts else {}
         model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,
                       iters=20, eval_interval=10, eval_iters=2, muon_matmul_prec=model.muon_matmul_prec, **moe)
-        optimizers, seeds, search_seeds, modes = ["adam", "muon"], [0], [0], ["sync", "async"]
+        optimizers = [o for o in ("adam", "muon") if o in optimizers] or ["adam", "muon"]
+        seeds, search_seeds, modes = [0], [0], ["sync", "async"]
         grids = {o: [2e-3] for o in optimizers}
     if args.eval_interval:
         model.eval_interval = args.eval_interval

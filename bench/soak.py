@@ -1,7 +1,7 @@
 """Soak benchmark: a long 2bw run must keep its pace and its memory.
 
     python -m bench.soak                      # 5,000 iterations, about 10 minutes on 2 cores
-    python -m bench.soak --quick              # 200 iterations (what the smoke test runs)
+    python -m bench.soak --quick              # 100 iterations (what the smoke test runs)
 
 Trains a small GPT (4 layers, hidden 64, seq 64, micro-batch 2, global batch 8) on
 the Shakespeare corpus with `--pipeline-schedule 2bw` at PP=2 on 2 CPU processes, in
@@ -71,11 +71,11 @@ def summarise(stats_dir: Path, iters: int, settle: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=5000)
-    p.add_argument("--quick", action="store_true", help="200 iterations, no target check")
+    p.add_argument("--quick", action="store_true", help="100 iterations, no target check")
     p.add_argument("--out", default="out/soak")
     p.add_argument("--data", default="data/shakespeare", help="prepared corpus (megatron-async-prepare-data)")
     args = p.parse_args(argv)
-    iters = 200 if args.quick else args.iters
+    iters = 100 if args.quick else args.iters
     settle = max(iters // 10, 1) if args.quick else 500
     interval = max(iters // 50, 1) if args.quick else 100
     root, data, _ = prepare_dirs(args.out, args.data, None)

@@ -20,14 +20,14 @@ def _sweep(out, data, *extra):
 
 def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
     out = tmp_path / "sweep"
-    first = _sweep(out, small_corpus, "--muon-nesterov-sync")
+    first = _sweep(out, small_corpus, "--muon-nesterov-sync", "--optimizers", "muon")  # adam: test_a_run_cut_short
     summary = json.loads((out / "summary.json").read_text())
     # the look-ahead's sync baseline: Muon with Megatron's Nesterov momentum
     nesterov_run = json.loads((out / "runs" / "muon_lr0.002_sync_s0_nesterov" / "result.json").read_text())
     assert "--muon-nesterov" in nesterov_run["command"].split()
     assert summary["muon_nesterov_sync"]["runs"] == [nesterov_run["final_val_loss"]]
     assert "sync, --muon-nesterov" in (out / "table.md").read_text()
-    assert set(summary["table"]) == {"adam", "muon"}
+    assert set(summary["table"]) == {"muon"}
     for opt, row in summary["table"].items():
         for mode in ("sync", "async"):
             assert all(math.isfinite(v) for v in row[mode]["runs"]), (opt, mode, row)
@@ -38,19 +38,19 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
             losses = [loss for _, loss in json.loads((out / "runs" / name / "result.json").read_text())["train_curve"]]
             assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, (name, losses)
     table = (out / "table.md").read_text()
-    assert "| adam |" in table and "| muon |" in table
-    assert (out / "reproduction_adam.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| muon |" in table and "| adam |" not in table
+    assert (out / "reproduction_muon.png").read_bytes()[:4] == b"\x89PNG"
     assert first.count("skipped") == 0
     # a second invocation finds every run done and only rebuilds the summary; with
     # --archive the results are also kept outside the run directories
     archive = tmp_path / "archive"
-    second = _sweep(out, small_corpus, "--archive", str(archive), "--muon-nesterov-sync")
-    assert second.count("skipped (done before)") == 5, second
+    second = _sweep(out, small_corpus, "--archive", str(archive), "--muon-nesterov-sync", "--optimizers", "muon")
+    assert second.count("skipped (done before)") == 3, second
     # the length report reads the summary
     from bench import delay_length
 
     rows = delay_length.main([str(out / "summary.json")])["rows"]
-    assert {r["optimizer"] for r in rows} == {"adam", "muon"} and all(r["iters"] == 20 for r in rows)
+    assert {r["optimizer"] for r in rows} == {"muon"} and all(r["iters"] == 20 for r in rows)
 
 
 def test_archived_results_are_reused(tmp_path):
@@ -228,7 +228,7 @@ def test_quick_moe_sweep_keeps_routing_and_megatrons_parameter_count(small_corpu
     from bench.sweep_runner import PRESETS, Model
 
     out = tmp_path / "moe"
-    _sweep(out, small_corpus, "--model", "moe", "--muon-matmul-prec", "high")
+    _sweep(out, small_corpus, "--model", "moe", "--muon-matmul-prec", "high", "--optimizers", "muon")
     run = json.loads((out / "runs" / "muon_lr0.002_async_s0" / "result.json").read_text())
     assert "--muon-fp32-matmul-prec high" in run["command"]
     routing = run["routing"]
@@ -240,5 +240,6 @@ def test_quick_moe_sweep_keeps_routing_and_megatrons_parameter_count(small_corpu
     quick = Model(num_layers=2, hidden_size=64, seq_length=64, num_experts=PRESETS["moe"]["num_experts"],
                   moe_ffn_hidden_size=128)
     assert run["parameters"] == quick.parameters(padded)  # the formula the archive's older runs rely on
-    adam_sync = json.loads((out / "runs" / "adam_lr0.002_sync_s0" / "result.json").read_text())
-    assert adam_sync["routing"]["iterations"] == [10, 20]
+    sync = json.loads((out / "runs" / "muon_lr0.002_sync_s0" / "result.json").read_text())
+    assert sync["routing"]["iterations"] == [10, 20]
+    assert not (out / "runs" / "adam_lr0.002_sync_s0").exists()  # --optimizers muon: Muon's runs only
