@@ -7,6 +7,9 @@ PYTHON312 ?= $(shell \
 	if python3.12 -c '' >/dev/null 2>&1; then command -v python3.12; \
 	else ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; fi)
 PYTEST_ARGS ?=
+# Two pytest workers (CI has 2 cores); a module's tests stay on one worker, so its
+# module-scoped fixtures run once. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 # The GPU acceptance suite runs in the Python that has CUDA, Transformer Engine and the
 # plugin (on a GPU node: the NVIDIA PyTorch container's, see docker/install.sh); it
 # never builds the CPU venv. Its report goes to $(GPU_REPORT)/report.json.
@@ -25,7 +28,7 @@ $(STAMP): setup.py constraints.txt
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q tests --ignore=tests/gpu $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu $(PYTEST_ARGS)
 
 # Skips every test, saying so, where there is no CUDA GPU (tests/gpu/conftest.py).
 test-gpu:

