@@ -63,6 +63,10 @@ def free_port(attempts: int = 100) -> int:
     an explicit bind can take it; the random choice (not seeded by tests) keeps two
     workers apart."""
     low = min(_ephemeral_ports()[0], 32768)
+    if low < 2048:  # (almost) every port is ephemeral here: the kernel's choice is all there is
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
     rng = random.SystemRandom()
     for _ in range(attempts):
         port = rng.randrange(max(1024, low - 16384), low)
