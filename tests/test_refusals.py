@@ -186,20 +186,27 @@ NEED_TE = {
 }
 
 
-def _validated_2bw_args():
+def _need_te_entry(rank, world_size, flag):
+    """In a child process: prepare() installs the hooks and the CPU emulation for good,
+    which must not leak into the pytest worker's other modules (test_cpu_emulation)."""
     from megatron_async.check_flags import parse, prepare
+    from megatron_async.megatron_lm.flags import FlagError, validate
 
     prepare()
-    return parse(BASE + TWO_BW, 2, cpu_flags=True)
+    args = parse(BASE + TWO_BW, 2, cpu_flags=True)
+    validate(args)  # negative control: the same arguments pass without the flag
+    name, value = NEED_TE[flag]
+    setattr(args, name, value)
+    try:
+        validate(args)
+    except FlagError as error:
+        return str(error)
+    return None
 
 
 @pytest.mark.parametrize("flag", list(NEED_TE))
 def test_flags_megatron_refuses_on_cpu_are_refused_by_2bw_too(flag):
-    from megatron_async.megatron_lm.flags import FlagError, validate
+    from megatron_async.testing.multiprocess import run_distributed
 
-    args = _validated_2bw_args()
-    validate(args)  # negative control: the same arguments pass without the flag
-    name, value = NEED_TE[flag]
-    setattr(args, name, value)
-    with pytest.raises(FlagError, match=flag):
-        validate(args)
+    (error,) = run_distributed(_need_te_entry, 1, flag)
+    assert error is not None and flag in error, error
