@@ -72,7 +72,7 @@ def free_port(attempts: int = 100) -> int:
         port = rng.randrange(max(1024, low - 16384), low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
-                sock.bind(("127.0.0.1", port))
+                sock.bind(("", port))  # every address, as the store listens
             except OSError:
                 continue
             return port
