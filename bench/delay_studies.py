@@ -87,14 +87,14 @@ def tuned_rows(directory) -> list[dict]:
     return rows
 
 
-def missing_runs(directory, seeds=(0, 1), modes=MODES) -> list[str]:
-    """The runs a study still lacks in `directory`: for each optimizer there, `modes`
+def missing_runs(directory, seeds=(0, 1), modes=MODES, optimizers=("adam", "muon")) -> list[str]:
+    """The runs a study still lacks in `directory`: for each of `optimizers`, `modes`
     (sync, delay, delay + EF) on every seed at the rate with the lowest seed-0 sync loss (the sweep
     runs its whole rate search before these, so a rate search not yet done shows as the
     delayed runs missing). Empty: every table row rests on all its runs."""
     runs = [r for r in load(directory) if r["momentum"] in (None, float(MUON_MOMENTUM))]
     missing = []
-    for opt in sorted({r["optimizer"] for r in runs}):
+    for opt in optimizers:
         search = {r["lr"]: r["final_val_loss"] for r in runs if r["optimizer"] == opt and r["mode"] == "sync"
                   and r["seed"] == seeds[0]}
         if not search:
@@ -263,7 +263,8 @@ def main(argv=None) -> dict:
         rows = [r for d in args.archive for r in momentum_rows(d)]
         return emit({"rows": rows}, momentum_table(rows), args.json)
     rows = [r for d in args.archive for r in tuned_rows(d)]
-    missing = {d: missing_runs(d) for d in args.archive}
+    missing = {d: missing_runs(d, optimizers=sorted({r["optimizer"] for r in load(d)} | {"adam", "muon"}))
+               for d in args.archive}
     if args.plot:
         plot_size(rows, args.plot)
     text = gap_table(rows) + "".join(f"\n\nnot yet in {d} ({len(m)} runs): {'; '.join(m)}"

@@ -164,6 +164,8 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--lr-grid: unknown optimizers {sorted(set(args.lr_grid) - set(LR_GRID))}")
     if set(args.lr_grid) & set(args.fixed_lr):
         p.error(f"--lr-grid and --lr both name {sorted(set(args.lr_grid) & set(args.fixed_lr))}: give one")
+    if args.quick and not {"adam", "muon"} & set(args.optimizers.split(",")):
+        p.error(f"--quick runs adam and muon only; --optimizers {args.optimizers} names neither")
     args.modes = list(dict.fromkeys(["sync", "async", *filter(None, args.modes.split(","))]))
     if set(args.modes) - set(MODES):
         p.error(f"--modes: unknown {sorted(set(args.modes) - set(MODES))}; choose from {', '.join(MODES)}")
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
         moe = dict(num_experts=model.num_experts, moe_ffn_hidden_size=128) if model.num_experts else {}
         model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,
                       iters=20, eval_interval=10, eval_iters=2, muon_matmul_prec=model.muon_matmul_prec, **moe)
-        optimizers = [o for o in ("adam", "muon") if o in optimizers] or ["adam", "muon"]
+        optimizers = [o for o in ("adam", "muon") if o in optimizers]
         seeds, search_seeds, modes = [0], [0], ["sync", "async"]
         grids = {o: [2e-3] for o in optimizers}
     if args.eval_interval:

@@ -67,6 +67,17 @@ def test_archived_results_are_reused(tmp_path):
     assert result["skipped"] and result["final_val_loss"] == 4.5
 
 
+def test_quick_with_neither_adam_nor_muon_names_the_flag(capsys):
+    """--quick runs AdamW's and Muon's runs only: asked for others alone it refuses
+    rather than run two optimizers nobody asked for."""
+    from bench.delay_sweep import parse
+
+    assert parse(["--quick", "--optimizers", "muon,lion"]).quick
+    with pytest.raises(SystemExit):
+        parse(["--quick", "--optimizers", "lion"])
+    assert "--optimizers lion" in capsys.readouterr().err
+
+
 def test_fixed_lr_parses_and_bad_values_name_the_flag(capsys):
     import pytest
 
