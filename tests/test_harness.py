@@ -78,9 +78,9 @@ def test_rendezvous_ports_are_below_the_ephemeral_range():
     import random
     import socket
 
-    from megatron_async.testing.multiprocess import _ephemeral_ports, free_port
+    from megatron_async.testing.multiprocess import _ephemeral_low, free_port
 
-    low = _ephemeral_ports()[0]
+    low = _ephemeral_low()
     if low < 2048:
         pytest.skip(f"the ephemeral range starts at {low}: free_port takes the kernel's choice here")
     state = random.getstate()

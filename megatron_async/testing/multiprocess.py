@@ -45,13 +45,13 @@ class RanksTimedOut(TimeoutError):
     """Some ranks neither finished nor raised within the timeout."""
 
 
-def _ephemeral_ports() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """Where the kernel's ephemeral port range starts."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = map(int, f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port(attempts: int = 100) -> int:
@@ -62,7 +62,7 @@ def free_port(attempts: int = 100) -> int:
     ephemeral port (EADDRINUSE, seen with two pytest workers). Outside that range only
     an explicit bind can take it; the random choice (not seeded by tests) keeps two
     workers apart."""
-    low = min(_ephemeral_ports()[0], 32768)
+    low = min(_ephemeral_low(), 32768)
     if low < 2048:  # (almost) every port is ephemeral here: the kernel's choice is all there is
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
