@@ -59,6 +59,16 @@ def _rank_stats(iteration: int, seconds) -> None:
         stats.flush(iteration, **extra)
 
 
+def _gpu_memory() -> dict:
+    """This rank's peak GPU memory so far, in MiB (what the weight stash adds shows here);
+    nothing on the CPU, where the emulation allocates no device memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"max_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
+
+
 def record_iteration(training_log, args, kwargs) -> None:
     if _STATE["signature"] is None:
         _STATE["signature"] = inspect.signature(training_log)
@@ -73,6 +83,7 @@ def record_iteration(training_log, args, kwargs) -> None:
     losses = {key.replace(" ", "_"): _float(value) for key, value in (bound["loss_dict"] or {}).items()}
     record = dict(iteration=bound["iteration"], **losses, lr=_float(bound["learning_rate"]),
                   grad_norm=_float(bound["grad_norm"]), skipped=bool(bound["skipped_iter"]), s_per_iter=seconds)
+    record.update(_gpu_memory())
     out.write(json_line(record))
     out.flush()
 
