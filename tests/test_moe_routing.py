@@ -10,7 +10,6 @@
 """
 
 import json
-import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from megatron_async.megatron_lm import moe_routing
+from megatron_async.testing.megatron_log import printed_aux_losses
 from megatron_async.testing.warm_launch import warm_run
 from tests.test_megatron_loop import CPU, MODEL, TRAIN
 
@@ -67,12 +67,6 @@ def _moe_run(tmp_path, name, nproc, extra):
     return proc.stdout, [r for r in records if "moe_load_imbalance" in r]
 
 
-def _printed_aux(stdout):
-    """Megatron's own per-iteration load_balancing_loss from its log lines."""
-    found = re.findall(r"iteration\s+(\d+)/.*?load_balancing_loss: ([0-9.E+-]+)", stdout)
-    return {int(it): float(value) for it, value in found}
-
-
 def test_megatrons_loop_records_routing_and_megatrons_aux_loss(tmp_path):
     stdout, records = _moe_run(tmp_path, "moe", 1, [])
     iterations = [r["iteration"] for r in records]
@@ -81,7 +75,7 @@ def test_megatrons_loop_records_routing_and_megatrons_aux_loss(tmp_path):
     for r in records:
         assert len(r["moe_load_imbalance_layers"]) == 4
         assert all(1.0 <= x <= experts / topk for x in r["moe_load_imbalance_layers"])
-    printed = _printed_aux(stdout)
+    printed = printed_aux_losses(stdout)
     assert sorted(printed) == iterations
     ours = {r["iteration"]: r["moe_aux_loss"] for r in records}
     # Megatron's line for iteration 2 averages iterations 1 and 2 (its accumulator is

@@ -18,17 +18,13 @@ import pytest
 
 from megatron_async.testing.gpu_gpt_flags import MUON, gpt_flags
 from megatron_async.testing.gpu_launch import read_metrics, tail, torchrun_gpt, train_losses
+from megatron_async.testing.megatron_log import printed_aux_losses
 
 ITERS = 30
 TIMEOUT_S = 600
 LAYERS, EXPERTS, TOPK = 4, 4, 2
 MOE = ["--num-experts", EXPERTS, "--moe-router-topk", TOPK, "--moe-aux-loss-coeff", 1e-2, "--disable-bias-linear",
        "--moe-token-dispatcher-type", "alltoall"]
-
-
-def printed_aux(stdout: str) -> dict[int, float]:
-    found = re.findall(r"iteration\s+(\d+)/.*?load_balancing_loss: ([0-9.E+-]+)", stdout)
-    return {int(it): float(value) for it, value in found}
 
 
 @pytest.mark.parametrize("impl", [pytest.param("transformer_engine", marks=pytest.mark.te), "local"])
@@ -53,7 +49,7 @@ def test_delayed_moe_trains_and_records_its_routing(impl, tmp_path, gpu_record):
     for r in routing:
         assert len(r["moe_load_imbalance_layers"]) == LAYERS
         assert all(1.0 <= x <= EXPERTS / TOPK + 1e-9 for x in r["moe_load_imbalance_layers"]), r
-    ours, printed = {r["iteration"]: r["moe_aux_loss"] for r in routing}, printed_aux(proc.stdout)
+    ours, printed = {r["iteration"]: r["moe_aux_loss"] for r in routing}, printed_aux_losses(proc.stdout)
     # Megatron's line for iteration 2 averages iterations 1 and 2; from 3 on, one iteration each
     checked = [it for it in sorted(printed) if it >= 3]
     assert checked, tail(proc)
