@@ -137,6 +137,8 @@ DOC_STUDIES = {  # report argv -> the archives it needs and their modes (a study
     "moe": (["moe", "--dense", "bench/archive/shakespeare_600", "--dense", "bench/archive/shakespeare_600_fp32ns",
              "--moe", "bench/archive/shakespeare_moe_600"],
             ["shakespeare_600", "shakespeare_moe_600"], ALL_MODES),
+    "moe_2400": (["moe", "--dense", "bench/archive/shakespeare_2400", "--dense", "bench/archive/shakespeare_2400_fp32ns",
+                  "--moe", "bench/archive/shakespeare_moe_2400"], ["shakespeare_2400", "shakespeare_moe_2400"], ALL_MODES),
     "momentum": (["momentum", "--archive", "bench/archive/shakespeare_600_fp32ns"], ["shakespeare_600_fp32ns"],
                  ("sync", "async")),
     "momentum_2400": (["momentum", "--archive", "bench/archive/shakespeare_2400_fp32ns"],
