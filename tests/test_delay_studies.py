@@ -69,6 +69,7 @@ def test_moe_targets_say_met_or_not(tmp_path, muon_gap, adam_gap, verdict):
     rows = delay_studies.tuned_rows(dense) + delay_studies.tuned_rows(moe)
     line = delay_studies.moe_targets(rows)
     assert f"(target < 2%: {verdict[0]})" in line and f"(target >= 3x: {verdict[1]})" in line
+    assert line.startswith("MoE targets at 600 steps, 2 seeds:"), line
 
 
 def test_routing_table_reads_first_middle_last_windows_and_each_seed(tmp_path):
