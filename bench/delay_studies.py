@@ -127,8 +127,10 @@ def moe_targets(rows: list[dict]) -> str:
         return "MoE targets: AdamW and Muon have not both run yet."
     muon, adam = moe["muon"], moe["adam"]
     ratio = adam["gap"] / muon["gap"] if muon["gap"] > 0 else float("inf")
-    seeds = min(muon["seeds"], adam["seeds"])  # a verdict on fewer seeds than planned must say so
-    return (f"MoE targets at {muon['iters']} steps, {seeds} seed{'' if seeds == 1 else 's'}: Muon's gap {100 * muon['relative_gap']:.2f}% of its sync loss "
+    n = lambda k: f"{k} seed{'' if k == 1 else 's'}"  # noqa: E731; a verdict must say what it rests on
+    seeds = n(muon["seeds"]) if muon["seeds"] == adam["seeds"] else \
+        f"Muon {n(muon['seeds'])}, AdamW {n(adam['seeds'])}"
+    return (f"MoE targets at {muon['iters']} steps, {seeds}: Muon's gap {100 * muon['relative_gap']:.2f}% of its sync loss "
             f"(target < 2%: {'met' if muon['relative_gap'] < 0.02 else 'not met'}); AdamW's gap {ratio:.1f}x "
             f"Muon's (target >= 3x: {'met' if ratio >= 3 else 'not met'}).")
 

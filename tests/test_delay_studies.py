@@ -70,6 +70,10 @@ def test_moe_targets_say_met_or_not(tmp_path, muon_gap, adam_gap, verdict):
     line = delay_studies.moe_targets(rows)
     assert f"(target < 2%: {verdict[0]})" in line and f"(target >= 3x: {verdict[1]})" in line
     assert line.startswith("MoE targets at 600 steps, 2 seeds:"), line
+    for r in rows:  # AdamW with one seed so far: the line names each optimizer's seeds
+        r["seeds"] = 1 if r["optimizer"] == "adam" else r["seeds"]
+    line = delay_studies.moe_targets(rows)
+    assert line.startswith("MoE targets at 600 steps, Muon 2 seeds, AdamW 1 seed:"), line
 
 
 def test_routing_table_reads_first_middle_last_windows_and_each_seed(tmp_path):
