@@ -120,6 +120,10 @@ def gap_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _seeds(k: int) -> str:
+    return f"{k} seed{'' if k == 1 else 's'}"
+
+
 def moe_targets(rows: list[dict]) -> str:
     """The issue's MoE targets: Muon's gap < 2% of its sync loss, AdamW's >= 3x Muon's."""
     moe = {r["optimizer"]: r for r in rows if "experts" in r["model"]}
@@ -127,9 +131,8 @@ def moe_targets(rows: list[dict]) -> str:
         return "MoE targets: AdamW and Muon have not both run yet."
     muon, adam = moe["muon"], moe["adam"]
     ratio = adam["gap"] / muon["gap"] if muon["gap"] > 0 else float("inf")
-    n = lambda k: f"{k} seed{'' if k == 1 else 's'}"  # noqa: E731; a verdict must say what it rests on
-    seeds = n(muon["seeds"]) if muon["seeds"] == adam["seeds"] else \
-        f"Muon {n(muon['seeds'])}, AdamW {n(adam['seeds'])}"
+    seeds = _seeds(muon["seeds"]) if muon["seeds"] == adam["seeds"] else \
+        f"Muon {_seeds(muon['seeds'])}, AdamW {_seeds(adam['seeds'])}"  # a verdict says what it rests on
     return (f"MoE targets at {muon['iters']} steps, {seeds}: Muon's gap {100 * muon['relative_gap']:.2f}% of its sync loss "
             f"(target < 2%: {'met' if muon['relative_gap'] < 0.02 else 'not met'}); AdamW's gap {ratio:.1f}x "
             f"Muon's (target >= 3x: {'met' if ratio >= 3 else 'not met'}).")
