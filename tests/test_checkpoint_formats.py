@@ -6,7 +6,8 @@ every rank writes its own file next to the checkpoint (megatron_lm/side_state.py
 Each format resumes bitwise (tolerance 1e-6 relative, as test_megatron_loop.py) with
 dropout; what megatron_async.json promises is checked on load (a missing rank file
 stops the run naming it); and a layout the stash cannot be laid out for is refused
-before training, naming both layouts.
+before training, naming both layouts. A delay correction switched on or off at a
+resume, and --no-load-optim, are allowed and said.
 """
 
 import json
@@ -122,6 +123,33 @@ def test_a_synchronous_resume_says_it_does_not_use_the_stash(tmp_path, torch_che
     proc, metrics = _run(tmp_path, "sync", 2, TORCH + ["--pipeline-model-parallel-size", "2", "--load", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "this run is synchronous and does not use it" in proc.stdout
+    assert "lm_loss" in metrics.read_text()
+
+
+def test_ef_switched_on_at_a_resume_starts_empty_and_says_so(tmp_path, torch_checkpoint):
+    """A checkpoint saved without a delay correction, resumed with --delay-correction ef:
+    it trains, and says that EF starts with no previous update."""
+    ckpt = _copy(torch_checkpoint, tmp_path)
+    proc, metrics = _run(tmp_path, "ef", 2, TORCH + PP2_2BW + ["--delay-correction", "ef", "--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "holds no delay-correction state; --delay-correction ef starts without a previous update" in proc.stdout
+    assert "lm_loss" in metrics.read_text()
+
+
+def test_ef_switched_off_at_a_resume_leaves_its_state_unused(tmp_path):
+    ckpt, _ = _first_half(tmp_path, 2, TORCH + PP2_2BW + ["--delay-correction", "ef"])
+    proc, metrics = _run(tmp_path, "no_ef", 2, TORCH + PP2_2BW + ["--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "holds delay-correction state; this run has no --delay-correction and does not use it" in proc.stdout
+    assert "lm_loss" in metrics.read_text()
+
+
+def test_no_load_optim_says_the_stash_is_not_loaded(tmp_path, torch_checkpoint):
+    ckpt = _copy(torch_checkpoint, tmp_path)
+    proc, metrics = _run(tmp_path, "fresh_optim", 2, TORCH + PP2_2BW + ["--no-load-optim", "--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "--no-load-optim: the checkpoint's weight stash is not loaded; both weight versions start equal" \
+        in proc.stdout, proc.stdout[-4000:]
     assert "lm_loss" in metrics.read_text()
 
 

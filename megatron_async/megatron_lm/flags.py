@@ -308,6 +308,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
                   f"{', the delay correction' if held.get('delay_correction') else ''}); this run is synchronous "
                   "and does not use it", flush=True)
         return
+    _say_correction_state(args, held)
     saved = held.get("layout")
     wanted = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
               "ep": args.expert_model_parallel_size,
@@ -322,6 +323,24 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
         raise FlagError(f"--load {args.load}: {', '.join(per_rank)} of this checkpoint is kept per rank, saved at "
                         f"{_layout_text(saved)}, and cannot be laid out for this run's {_layout_text(wanted)}; "
                         "resume at the saved layout")
+
+
+def _say_correction_state(args: argparse.Namespace, held: dict) -> None:
+    """A delay correction switched on or off at a resume is allowed, and said: turned on,
+    it starts with no previous update (its first step after the resume is uncorrected,
+    as at iteration 1); turned off, the saved state is left unused."""
+    from megatron_async.delay_correction import RULES
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    where, wanted, saved = held["loaded_from"], args.delay_correction in RULES, bool(held.get("delay_correction"))
+    if wanted and not saved:
+        print(f"megatron-async: {where} holds no delay-correction state; --delay-correction "
+              f"{args.delay_correction} starts without a previous update (its first step after the resume "
+              "is uncorrected)", flush=True)
+    elif saved and not wanted:
+        print(f"megatron-async: {where} holds delay-correction state; this run has no --delay-correction "
+              "and does not use it", flush=True)
 
 
 def _prefixes(paths) -> list[str]:
