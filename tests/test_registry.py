@@ -29,3 +29,22 @@ def test_register_and_update(monkeypatch):
     registry.register_schedule("toy", generator=sorted)
     assert registry.get_schedule_generator("toy") is sorted
     assert registry.get_forward_backward_func("toy") is len
+
+
+def test_readme_schedule_table_lists_every_registered_schedule_where_it_runs():
+    """README's "Schedules" table: every registered name, in the row that says whether
+    Megatron's loop runs it."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Schedules", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                rows[name] = cells[2].startswith("yes")
+    for name in registry.available_schedules():
+        assert name in rows, f"README's schedule table does not list {name}"
+        assert rows[name] == registry.is_runnable(name), f"README says the wrong thing of {name}'s runtime"
