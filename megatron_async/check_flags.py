@@ -35,8 +35,9 @@ def parse(argv: list[str], world: int, cpu_flags: bool = False):
 
 
 def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
-    """{"refused": bool, "error": message or None} for Megatron's parser and validation
-    with our hooks, as the GPT entry runs them."""
+    """{"refused": bool, "error": message or None, "by": who refused} for Megatron's parser
+    and validation with our hooks, as the GPT entry runs them. "by" is "megatron-async"
+    (our checks), "argparse" or "megatron" (Megatron's own assertions), None if accepted."""
     from megatron_async.megatron_lm.flags import FlagError
 
     stderr = io.StringIO()
@@ -44,17 +45,17 @@ def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
             parse(argv, world, cpu_flags)
     except FlagError as err:
-        return {"refused": True, "error": str(err)}
+        return {"refused": True, "error": str(err), "by": "megatron-async"}
     except SystemExit:  # argparse: unknown flag, or a value outside the flag's choices
         lines = [line for line in stderr.getvalue().splitlines() if "error:" in line]
-        return {"refused": True, "error": lines[-1] if lines else stderr.getvalue()}
+        return {"refused": True, "error": lines[-1] if lines else stderr.getvalue(), "by": "argparse"}
     except Exception as err:  # noqa: BLE001 - Megatron's own checks assert; report their text
         import traceback
 
         where = traceback.extract_tb(err.__traceback__)[-1]
         detail = str(err) or f"{where.line} ({where.filename.split('site-packages/')[-1]}:{where.lineno})"
-        return {"refused": True, "error": f"{type(err).__name__}: {detail}"}
-    return {"refused": False, "error": None}
+        return {"refused": True, "error": f"{type(err).__name__}: {detail}", "by": "megatron"}
+    return {"refused": False, "error": None, "by": None}
 
 
 def prepare() -> None:

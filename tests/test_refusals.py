@@ -11,7 +11,9 @@ tests/test_data_checks.py.
 """
 
 import json
+import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -22,6 +24,8 @@ BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256
         "--rerun-mode", "disabled", "--untie-embeddings-and-output-weights"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TWO_BW = PP2 + ["--pipeline-schedule", "2bw"]
+# an empty --save directory (the checkpoint checks run before training; nothing is written)
+SAVE = ["--save", os.path.join(tempfile.gettempdir(), "megatron_async_refusals_save"), "--save-interval", "10"]
 
 
 def _without(args, *flags):
@@ -69,7 +73,8 @@ CASES = {
         "--num-layers", "4", "--global-batch-size", "4", "--pipeline-model-parallel-size", "4",
         "--pipeline-schedule", "2bw"], "at least 3 microbatches"),
     "simulated delay with pipelining": (2, BASE + PP2 + ["--simulated-delay", "1"], "--simulated-delay"),
-    "simulated delay with 2bw": (2, BASE + TWO_BW + ["--simulated-delay", "1"], "--simulated-delay"),
+    "simulated delay with 2bw": (2, BASE + TWO_BW + ["--simulated-delay", "1"],
+                                 "--simulated-delay cannot be combined with --pipeline-schedule 2bw"),
     "stage delays that do not split the layers": (1, BASE + ["--simulated-delay", "1,0,0"], "--num-layers (2)"),
     "stage delays vs stages": (1, BASE + ["--simulated-delay", "1,0", "--simulated-pipeline-stages", "1"],
                                "lists 2 stage delays"),
@@ -112,6 +117,7 @@ CASES = {
     "unknown optimizer": (1, BASE + ["--optimizer", "adamax9000"], "--optimizer"),
     "optimizer that cannot step": (1, BASE + ["--optimizer", "adaptive_muon"], "--optimizer 'adaptive_muon'"),
 }
+REFUSED_BY = {"unknown delay correction": "argparse", "unknown optimizer": "argparse"}  # else our checks
 ACCEPTED = {
     "2bw": (2, BASE + TWO_BW),
     "2bw, muon + EF, distributed optimizer": (4, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "ef",
@@ -121,6 +127,8 @@ ACCEPTED = {
     "simulated delay, DC-ASGD": (1, BASE + ["--simulated-delay", "1", "--delay-correction", "dc-asgd"]),
     "2bw, muon, Nesterov look-ahead": (2, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "nesterov"]),
     "2bw, stale-global clipping": (2, BASE + TWO_BW + ["--clip-grad-mode", "stale-global"]),
+    "2bw saving torch_dist": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch_dist"]),
+    "2bw saving torch": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch"]),
     "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),
     "lion": (1, BASE + ["--optimizer", "lion"]),
     "soap": (1, BASE + ["--optimizer", "soap"]),
@@ -168,6 +176,8 @@ def test_refused_before_training_naming_the_flag(results, name):
     assert found[name]["refused"], f"{name}: accepted"
     error = found[name]["error"]
     assert needle in error and "\n" not in error.strip(), error
+    # our guard, not Megatron's own check or argparse naming the same flag
+    assert found[name]["by"] == REFUSED_BY.get(name, "megatron-async"), (found[name]["by"], error)
 
 
 @pytest.mark.parametrize("name", list(ACCEPTED))
@@ -175,27 +185,32 @@ def test_valid_command_lines_are_accepted(results, name):
     assert not results[0][name]["refused"], results[0][name]["error"]
 
 
-# Flags Megatron's own validation refuses on the CPU (they need Transformer Engine)
-# before the plugin's check runs; on GPUs the plugin's check is what refuses them
-# under 2bw. Each goes through the plugin's validation directly, on arguments
-# parsed by Megatron's parser.
-NEED_TE = {
+# Flags Megatron's own validation refuses on the CPU before the plugin's check runs
+# (they need Transformer Engine, CUDA settings, nvidia-resiliency-ext or FSDP); on GPUs
+# the plugin's check is what refuses them under 2bw. Each goes through the plugin's
+# validation directly, on arguments parsed by Megatron's parser (with --save, which
+# the checkpoint checks need): flag -> (attribute, value).
+MEGATRON_REFUSES_FIRST = {
     "--fp4-param-gather": ("fp4_param_gather", True),
     "--delay-wgrad-compute": ("delay_wgrad_compute", True),
     "--fine-grained-activation-offloading": ("fine_grained_activation_offloading", True),
+    "--use-megatron-fsdp": ("use_megatron_fsdp", True),
+    "--ckpt-format torch_dcp": ("ckpt_format", "torch_dcp"),
+    "--ckpt-format fsdp_dtensor": ("ckpt_format", "fsdp_dtensor"),
+    "--non-persistent-ckpt-type local": ("non_persistent_ckpt_type", "local"),
 }
 
 
-def _need_te_entry(rank, world_size, flag):
+def _refused_after_megatron_entry(rank, world_size, flag):
     """In a child process: prepare() installs the hooks and the CPU emulation for good,
     which must not leak into the pytest worker's other modules (test_cpu_emulation)."""
     from megatron_async.check_flags import parse, prepare
     from megatron_async.megatron_lm.flags import FlagError, validate
 
     prepare()
-    args = parse(BASE + TWO_BW, 2, cpu_flags=True)
+    args = parse(BASE + TWO_BW + SAVE, 2, cpu_flags=True)
     validate(args)  # negative control: the same arguments pass without the flag
-    name, value = NEED_TE[flag]
+    name, value = MEGATRON_REFUSES_FIRST[flag]
     setattr(args, name, value)
     try:
         validate(args)
@@ -204,9 +219,9 @@ def _need_te_entry(rank, world_size, flag):
     return None
 
 
-@pytest.mark.parametrize("flag", list(NEED_TE))
+@pytest.mark.parametrize("flag", list(MEGATRON_REFUSES_FIRST))
 def test_flags_megatron_refuses_on_cpu_are_refused_by_2bw_too(flag):
     from megatron_async.testing.multiprocess import run_distributed
 
-    (error,) = run_distributed(_need_te_entry, 1, flag)
+    (error,) = run_distributed(_refused_after_megatron_entry, 1, flag)
     assert error is not None and flag in error, error

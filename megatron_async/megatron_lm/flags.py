@@ -169,6 +169,8 @@ def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
     _require(len(delays) == 1 or len(delays) == stages,
              f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is {stages}")
     if args.simulated_delay:
+        _require(args.pipeline_schedule != "2bw",
+                 "--simulated-delay cannot be combined with --pipeline-schedule 2bw, whose delay is real")
         _require(pp == 1, f"--simulated-delay needs --pipeline-model-parallel-size 1 (got {pp}); "
                           "use --pipeline-schedule 2bw with PP > 1")
         _require(not args.calculate_per_token_loss,
@@ -248,7 +250,6 @@ def _validate_2bw(args: argparse.Namespace) -> None:
     pp = args.pipeline_model_parallel_size
     _require(pp > 1, "--pipeline-schedule 2bw needs --pipeline-model-parallel-size > 1 "
                      "(at PP=1 use --simulated-delay 1)")
-    _require(args.simulated_delay == 0, "--simulated-delay cannot be combined with --pipeline-schedule 2bw")
     m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     bound = min_microbatches_2bw(pp)
     _require(m >= bound, f"--pipeline-schedule 2bw with {pp} stages needs at least {bound} microbatches per batch "
