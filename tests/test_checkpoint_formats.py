@@ -144,6 +144,21 @@ def test_ef_switched_off_at_a_resume_leaves_its_state_unused(tmp_path):
     assert "lm_loss" in metrics.read_text()
 
 
+@pytest.mark.parametrize("saved, resumed", [("none", "predict"), ("dc-asgd", "ef")])
+def test_another_delay_correction_at_a_resume_is_refused_naming_both(tmp_path, torch_checkpoint, saved, resumed):
+    """Weight prediction's stash has another shape, and DC-ASGD's state is not EF's: refused
+    before training, naming the saved correction (without the check: an error at load)."""
+    if saved == "none":
+        ckpt = _copy(torch_checkpoint, tmp_path)
+    else:
+        ckpt, _ = _first_half(tmp_path, 2, TORCH + PP2_2BW + ["--delay-correction", saved])
+    proc, metrics = _run(tmp_path, "other", 2, TORCH + PP2_2BW + ["--delay-correction", resumed, "--load", str(ckpt)])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    assert f"--delay-correction {resumed}: the checkpoint" in line and f"saved with --delay-correction {saved}" in line
+    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
+
+
 def test_no_load_optim_says_the_stash_is_not_loaded(tmp_path, torch_checkpoint):
     ckpt = _copy(torch_checkpoint, tmp_path)
     proc, metrics = _run(tmp_path, "fresh_optim", 2, TORCH + PP2_2BW + ["--no-load-optim", "--load", str(ckpt)])

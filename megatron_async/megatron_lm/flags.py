@@ -309,7 +309,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
                   f"{', the delay correction' if held.get('delay_correction') else ''}); this run is synchronous "
                   "and does not use it", flush=True)
         return
-    _say_correction_state(args, held)
+    _check_correction_state(args, held)
     saved = held.get("layout")
     wanted = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
               "ep": args.expert_model_parallel_size,
@@ -326,12 +326,20 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
                         "resume at the saved layout")
 
 
-def _say_correction_state(args: argparse.Namespace, held: dict) -> None:
+def _check_correction_state(args: argparse.Namespace, held: dict) -> None:
     """A delay correction switched on or off at a resume is allowed, and said: turned on,
     it starts with no previous update (its first step after the resume is uncorrected,
-    as at iteration 1); turned off, the saved state is left unused."""
+    as at iteration 1); turned off, the saved state is left unused. One correction
+    swapped for another is refused: their saved states differ, and weight prediction
+    keeps a stash of another shape."""
     from megatron_async.delay_correction import RULES
 
+    saved_rule, wanted_rule = held.get("delay_correction_rule"), args.delay_correction
+    if saved_rule is not None and saved_rule != wanted_rule:  # None: saved before the rule was recorded
+        _require("predict" not in (saved_rule, wanted_rule) and not (saved_rule in RULES and wanted_rule in RULES),
+                 f"--delay-correction {wanted_rule}: the checkpoint in {held['loaded_from']} was saved with "
+                 f"--delay-correction {saved_rule}, whose saved state this run cannot use; resume with "
+                 f"--delay-correction {saved_rule}")
     if int(os.environ.get("RANK", "0")) != 0:
         return
     where, wanted, saved = held["loaded_from"], args.delay_correction in RULES, bool(held.get("delay_correction"))

@@ -171,6 +171,7 @@ def saved_contents_marker() -> dict:
     if STATE.stash is None or args.no_save_optim:
         return {}
     return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
+            "delay_correction_rule": args.delay_correction,
             STALE_NORM_KEY: STATE.stale_norm is not None,
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
             "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
