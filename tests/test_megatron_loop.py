@@ -251,15 +251,22 @@ def _records_without_timing(path):
     return [{k: v for k, v in json.loads(line).items() if k != "s_per_iter"} for line in path.read_text().splitlines()]
 
 
-def test_simulated_delay_zero_is_plain_training(tmp_path):
-    """`--simulated-delay 0` (the default) takes no stash path: the records equal those of
-    a run without the flag, exactly."""
+def test_simulated_delay_zero_keeps_no_stash(tmp_path):
+    """`--simulated-delay 0` (the default) builds no weight stash: its checkpoint says it
+    holds none of ours. The control, `--simulated-delay 1`, holds a stash and trains
+    another trajectory."""
     runs = {}
-    for name, extra in (("plain", []), ("zero", ["--simulated-delay", "0"])):
-        proc, metrics = _run(tmp_path, name, 1, extra + ["--train-iters", "4"])
+    for name, delay in (("zero", "0"), ("one", "1")):
+        ckpt = tmp_path / f"ckpt_{name}"
+        proc, metrics = _run(tmp_path, name, 1, ["--simulated-delay", delay, "--train-iters", "4",
+                                                 "--save", str(ckpt), "--save-interval", "4"])
         assert proc.returncode == 0, proc.stdout[-4000:]
-        runs[name] = _records_without_timing(metrics)
-    assert runs["plain"] and runs["plain"] == runs["zero"]
+        path = ckpt / "iter_0000004" / "megatron_async.json"
+        assert (ckpt / "iter_0000004").is_dir()
+        marker = json.loads(path.read_text()) if path.exists() else {}
+        runs[name] = (marker, [r["lm_loss"] for r in _records_without_timing(metrics) if "lm_loss" in r])
+    assert runs["zero"][0] == {} and runs["one"][0].get("weight_stash"), (runs["zero"][0], runs["one"][0])
+    assert len(runs["zero"][1]) == 4 and runs["zero"][1][2:] != runs["one"][1][2:]
 
 
 def test_stage_delay_list(tmp_path):
