@@ -71,6 +71,15 @@ def test_stage_delays_equal_copying_reference(delays):
     _compare(ours, ref)
 
 
+@pytest.mark.parametrize("delay", [1, 2])
+def test_constant_delay_equals_copying_reference(delay):
+    """The uniform delay (the stash path every "2bw equals its twin" test compares with)
+    against the same independent reference, with one would-be stage."""
+    (ours,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=delay, **COMMON), STEPS)
+    (ref,) = run_distributed(copying_reference_entry, 1, TinyGPT(stage_delays=(delay,), **COMMON), STEPS)
+    _compare(ours, ref)
+
+
 def test_stage_delays_change_the_trajectory():
     """PipeDream's 3,2,1,0 is neither constant delay 1 nor constant delay 3."""
     (pipedream,) = run_distributed(train_entry, 1, TinyGPT(stage_delays=pipedream_delays(4), **COMMON), STEPS)
