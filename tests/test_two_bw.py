@@ -53,8 +53,17 @@ def test_2bw_differs_from_synchronous_training():
 # DP and TP change the order of floating-point reductions. Adam divides by sqrt(v),
 # so for near-zero gradients (biases) round-off becomes a visible fraction of one
 # update: weights are compared to 10% of one step (lr=1e-2), losses to 1e-5
-# relative. A wrong weight version shows up as 1e-2..6e-2 weight and 1e-4 loss errors.
+# relative. A wrong weight version (no delay, or two steps) fails this tolerance (checked below).
 LAYOUT = (1e-4, 1e-3, 1e-5)  # rtol, atol, loss rtol
+
+
+def _assert_layout_tolerance_tells_versions_apart(results, **overrides):
+    """Negative control at LAYOUT's tolerance: the same run against a reference at the wrong
+    weight version (no delay, and a two-step delay) must fail the comparison."""
+    for delay in (0, 2):
+        (wrong,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=delay, **{**COMMON, **overrides}), STEPS)
+        with pytest.raises(AssertionError):
+            assert_same_trajectory(wrong, results, *LAYOUT)
 
 
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True])
@@ -62,13 +71,18 @@ def test_2bw_with_data_parallel_distributed_optimizer(overlap_grad_reduce):
     ref = _reference(use_distributed_optimizer=True)
     spec = TinyGPT(pp=2, schedule="2bw", use_distributed_optimizer=True, overlap_grad_reduce=overlap_grad_reduce,
                    **COMMON)
-    assert_same_trajectory(ref, run_distributed(train_entry, 4, spec, STEPS), *LAYOUT)
+    results = run_distributed(train_entry, 4, spec, STEPS)
+    assert_same_trajectory(ref, results, *LAYOUT)
+    if not overlap_grad_reduce:
+        _assert_layout_tolerance_tells_versions_apart(results, use_distributed_optimizer=True)
 
 
 def test_2bw_with_tensor_parallel():
     ref = _reference()
     spec = TinyGPT(pp=2, tp=2, schedule="2bw", **COMMON)
-    assert_same_trajectory(ref, run_distributed(train_entry, 4, spec, STEPS), *LAYOUT)
+    results = run_distributed(train_entry, 4, spec, STEPS)
+    assert_same_trajectory(ref, results, *LAYOUT)
+    _assert_layout_tolerance_tells_versions_apart(results)
 
 
 def test_two_weight_buffers_per_stage():
