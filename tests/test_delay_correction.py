@@ -157,6 +157,10 @@ def test_ef_with_data_parallel_distributed_optimizer():
     (ref,) = _run(1, TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON), 1.0)
     results = _run(2, TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON), 1.0)
     assert_same_trajectory(ref, results, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
+    # negative control: at this tolerance, DP=2 without EF is told apart from the EF reference
+    without = _run(2, TinyGPT(simulated_delay=1, use_distributed_optimizer=True, **COMMON), None)
+    with pytest.raises(AssertionError):
+        assert_same_trajectory(ref, without, LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL)
 
 
 def test_ef_with_layer_wise_distributed_muon():
@@ -200,6 +204,13 @@ def test_trainer_resume_restores_ef_state(tmp_path):
     assert sorted(b) == [4, 5, 6]
     for it in (4, 5, 6):
         assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), it
+    # negative control: without its marker the checkpoint resumes with no stash and no EF state
+    (ckpt / "iter_0000003" / "megatron_async.json").unlink()
+    bare = tmp_path / "bare.jsonl"
+    run = torchrun_megatron(TRAINER + MUON_EF + ["--load", ckpt, "--metrics-json", bare], nproc=1, timeout_s=200)
+    assert run.returncode == 0, run.stdout[-4000:]
+    c = _losses(bare)
+    assert any(c[it] != pytest.approx(a[it], rel=1e-6, abs=0) for it in (4, 5, 6)), (c, a)
 
 
 def test_trainer_lambda_zero_is_plain_with_bf16_distributed_optimizer(tmp_path):
@@ -207,7 +218,8 @@ def test_trainer_lambda_zero_is_plain_with_bf16_distributed_optimizer(tmp_path):
     model params and its all-gather carry it; with lambda = 0 the run is the plain run."""
     base = TRAINER + ["--train-iters", "4", "--bf16", "--use-distributed-optimizer"]
     runs = {}
-    for name, extra in (("plain", []), ("zero", ["--delay-correction", "ef", "--ef-lambda", "0"])):
+    for name, extra in (("plain", []), ("zero", ["--delay-correction", "ef", "--ef-lambda", "0"]),
+                        ("one", ["--delay-correction", "ef", "--ef-lambda", "1"])):
         path = tmp_path / f"{name}.jsonl"
         run = torchrun_megatron(base + ["--metrics-json", path] + extra, nproc=2, timeout_s=200)
         assert run.returncode == 0, run.stdout[-4000:]
@@ -215,6 +227,8 @@ def test_trainer_lambda_zero_is_plain_with_bf16_distributed_optimizer(tmp_path):
             runs[name] = [{k: v for k, v in json.loads(line).items() if k not in ("s_per_iter", "tokens_per_s")}
                           for line in f]
     assert runs["plain"] == runs["zero"]
+    # negative control: the correction does reach the bf16 model (lambda 1 trains another trajectory)
+    assert [r.get("lm_loss") for r in runs["one"]] != [r.get("lm_loss") for r in runs["plain"]]
 
 
 def test_ef_sanity_on_the_tiny_model():
