@@ -14,6 +14,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -164,7 +165,8 @@ def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
     """Saved at iteration 4 (exit there), resumed to 8: the losses of 5-8 equal the
     uninterrupted run's (observed bitwise; allowed 1e-6). Without the RNG snapshot
     taken before the next batch's warm-up forwards they differ in the 3rd digit; with
-    stale-global clipping, without the saved global norms."""
+    stale-global clipping, without the saved global norms. Negative control (Muon + EF,
+    stale-global): the same checkpoint without its marker resumes elsewhere."""
     base = RESUMED[optimizer] + RESUME + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
     MODEL_DROPOUT = [a for a in base]
     full = _losses(tmp_path, "full", 2, MODEL_DROPOUT)
@@ -173,6 +175,9 @@ def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
                                                                "--exit-interval", "4"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert json.loads((tmp_path / "ckpt" / "iter_0000004" / "megatron_async.json").read_text())["weight_stash"]
+    bare = tmp_path / "bare"  # for the negative control: the same checkpoint without its marker
+    shutil.copytree(ckpt, bare)
+    (bare / "iter_0000004" / "megatron_async.json").unlink()
     proc, second = _run(tmp_path, "second", 2, MODEL_DROPOUT + ["--load", ckpt, "--save", ckpt,
                                                                 "--save-interval", "100"])
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -180,6 +185,13 @@ def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
                if "lm_loss" in r]
     assert len(resumed) == ITERS
     _assert_same(resumed, full)
+    if optimizer in ("muon+ef", "adam, stale-global clipping"):  # without our state it resumes elsewhere
+        proc, without = _run(tmp_path, "without", 2, MODEL_DROPOUT + ["--load", str(bare)])
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        losses = [r["lm_loss"] for path in (first, without) for r in map(json.loads, path.read_text().splitlines())
+                  if "lm_loss" in r]
+        with pytest.raises(AssertionError):
+            _assert_same(losses, full)
 
 
 def test_2bw_resumes_from_a_1f1b_checkpoint(tmp_path):
