@@ -13,10 +13,7 @@
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -128,11 +125,11 @@ def test_audit_catches_an_injected_cross_stage_all_reduce(tmp_path):
 def test_a_refused_flag_stops_every_rank_before_training(tmp_path):
     """Under torchrun a refusal is one line naming the flag and a non-zero exit, before
     any iteration (each refused flag: tests/test_refusals.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "megatron_async.launch", "--gpt", *CPU, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "2",
-           "--pipeline-schedule", "2bw", "--log-params-norm"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    from megatron_async.testing.launch import torchrun_megatron
+
+    # torchrun itself (not warm ranks), in its own session: killed with its ranks on a timeout
+    proc = torchrun_megatron([*CPU, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "2",
+                              "--pipeline-schedule", "2bw", "--log-params-norm"], 2, TIMEOUT_S, warm=False)
     assert proc.returncode != 0
     lines = [line for line in proc.stdout.splitlines() if "megatron-async: error:" in line]
     assert lines and all("--log-params-norm" in line for line in lines), proc.stdout[-3000:]
