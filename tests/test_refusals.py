@@ -12,6 +12,7 @@ tests/test_data_checks.py.
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import sys
@@ -139,9 +140,13 @@ def _data_cases(small_corpus, tmp_path):
     """Refusals of data that Megatron would only meet after the process groups exist."""
     data = _without(BASE, "--mock-data", "--tokenizer-type", "--vocab-size")
     sp = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(small_corpus / "tokenizer.model")]
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"empty_text_document{ext}").write_bytes(b"")
+    # a .bin cut short (a copy that did not finish), next to its whole .idx
+    whole = (small_corpus / "train_text_document.bin").read_bytes()
+    (tmp_path / "truncated_text_document.bin").write_bytes(whole[:len(whole) // 2])
+    shutil.copyfile(small_corpus / "train_text_document.idx", tmp_path / "truncated_text_document.idx")
     return {
+        "truncated dataset": (1, data + sp + ["--train-data-path", str(tmp_path / "truncated_text_document")],
+                              "the .bin and .idx do not belong together"),
         "missing dataset": (1, data + sp + ["--train-data-path", "/nonexistent/train_text_document"],
                             "--train-data-path"),
         "missing tokenizer": (1, data + ["--train-data-path", str(small_corpus / "train_text_document"),
@@ -168,7 +173,7 @@ def results(small_corpus, tmp_path_factory):
     return json.loads((tmp_path / "out.json").read_text()), _data_cases(small_corpus, tmp_path)
 
 
-@pytest.mark.parametrize("name", list(CASES) + ["missing dataset", "missing tokenizer",
+@pytest.mark.parametrize("name", list(CASES) + ["missing dataset", "missing tokenizer", "truncated dataset",
                                                 "validation split under one batch"])
 def test_refused_before_training_naming_the_flag(results, name):
     found, data_cases = results
