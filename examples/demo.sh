@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo`: prepare the Shakespeare corpus, then pretrain a small GPT on the CPU with
-# 2 processes as 2 pipeline stages with PipeDream-2BW, and check that it learned. About 4 minutes on 2 cores.
+# 2 processes as 2 pipeline stages with PipeDream-2BW, and check that it learned. About 3 minutes on 2 cores.
 # DATA, OUT, ITERS, SCHEDULE and OPTIMIZER may be overridden from the environment (e.g. ITERS=20 for a smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."                         # paths below are relative to the repo root
@@ -10,7 +10,7 @@ DATA=${DATA:-data/shakespeare}                  # prepared corpus (cached betwee
 OUT=${OUT:-out/demo}                            # metrics.jsonl, loss.png, train.log
 SCHEDULE=${SCHEDULE:-2bw}                       # 2bw (ours) or 1f1b (Megatron's, with a flush)
 OPTIMIZER=${OPTIMIZER:-muon}                    # muon or adam (AdamW)
-ITERS=${ITERS:-200}                             # ~0.9 s/iter on 2 cores: ~3 minutes of training
+ITERS=${ITERS:-200}                             # ~0.75 s/iter on 2 cores: ~2.5 minutes of training
 export OMP_NUM_THREADS=1                        # one thread per rank: 2 ranks fill 2 cores
 export PYTHONWARNINGS=ignore                    # hide "Apex/Transformer Engine not installed" noise
 
@@ -56,6 +56,9 @@ train_args=(
   --muon-momentum 0.95                          # Muon's usual momentum (Megatron-LM's default is 0.9)
   --muon-extra-scale-factor 0.2                 # with spectral scaling: AdamW's update size, so
                                                 # one --lr and --weight-decay serve Muon and Adam
+  --muon-fp32-matmul-prec high                  # fp32 Newton-Schulz: the default, medium, runs its
+                                                # matmuls in bf16, emulated and 17-31x slower on a CPU
+                                                # (docs/benchmarks.md); on a GPU medium is the fast one
   --lr 2e-3                                     # high, as a model this small tolerates
   --min-lr 1e-4                                 # cosine floor
   --lr-warmup-iters $(( ITERS / 10 ))           # 10% linear warmup
