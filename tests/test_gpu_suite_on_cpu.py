@@ -28,3 +28,33 @@ def test_make_test_leaves_the_gpu_suite_out_and_test_gpu_runs_it():
     assert "--ignore=tests/gpu" in dry("test")
     gpu = dry("test-gpu")
     assert "pytest -q tests/gpu" in gpu and ".venv" not in gpu
+
+
+# Three "ranks" under one launcher: rank 1 exits at once, the others wait (as ranks do on
+# a collective the dead one never joins).
+_HANGING_LAUNCHER = """
+import os, subprocess, sys, time
+for rank in range(3):
+    code = "import sys" if rank == 1 else "import time; time.sleep(120)"
+    subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, RANK=str(rank)))
+time.sleep(120)
+"""
+
+
+def test_a_run_past_its_timeout_names_the_rank_that_exited():
+    """The GPU suite's launcher, on a timeout, says which ranks were still running and
+    which had gone, and leaves none behind."""
+    from megatron_async.testing.gpu_launch import run_with_timeout
+
+    with pytest.raises(TimeoutError) as err:
+        run_with_timeout([sys.executable, "-c", _HANGING_LAUNCHER], 8, nproc=3)
+    message = str(err.value)
+    assert "ranks still running at the timeout: [0, 2]; exited before it: [1]" in message, message
+    lingering = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"time.sleep(120)" in cmdline.read_bytes():
+                lingering.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not lingering, lingering

@@ -3,7 +3,8 @@
 The CPU suite forks warm gloo ranks (warm_launch.py); on GPUs every rank must
 start its own CUDA context, so runs go through torchrun itself. A run past its
 timeout has its whole process group killed (torchrun and every rank), so a hung
-NCCL collective cannot outlive its test.
+NCCL collective cannot outlive its test; the error names the ranks that had already
+exited, which the others were likely waiting for.
 """
 
 from __future__ import annotations
@@ -35,19 +36,47 @@ def subprocess_env(extra: Mapping[str, str] | None = None) -> dict:
     return env
 
 
+def ranks_running(session: int) -> list[int]:
+    """The RANKs of the live processes of a session (Linux /proc; [] elsewhere): at a
+    timeout, the ranks that are not among them are the ones that died first."""
+    ranks = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
+            if int(fields[3]) != session or fields[0] in ("Z", "X"):
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        ranks.update(int(v[5:]) for v in environ if v.startswith(b"RANK=") and v[5:].isdigit())
+    return sorted(ranks)
+
+
+def _ranks_line(session: int, nproc: int | None) -> str:
+    running = ranks_running(session)
+    if nproc is None:
+        return f"ranks still running at the timeout: {running}"
+    gone = [r for r in range(nproc) if r not in running]
+    return (f"ranks still running at the timeout: {running}; exited before it: {gone}"
+            + (" (look at these first: the others are likely waiting for them)" if gone and running else ""))
+
+
 def run_with_timeout(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
-                     cwd=None) -> subprocess.CompletedProcess:
+                     cwd=None, nproc: int | None = None) -> subprocess.CompletedProcess:
     """Run `cmd` in its own session; past `timeout_s` (or when interrupted) kill the session,
-    then raise. The result carries stdout and stderr together, and the wall time in `.wall_s`."""
+    then raise, naming which of its `nproc` ranks were still running and which had exited.
+    The result carries stdout and stderr together, and the wall time in `.wall_s`."""
     start = time.perf_counter()
     proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=subprocess_env(env), cwd=cwd or ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        ranks = _ranks_line(proc.pid, nproc)
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout_s:.0f} s:\n"
+        raise TimeoutError(f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout_s:.0f} s; {ranks}:\n"
                            f"{out[-5000:]}") from None
     except BaseException:  # interrupted (Ctrl-C, pytest-timeout): leave no rank running
         os.killpg(proc.pid, 9)
@@ -64,7 +93,7 @@ def torchrun_gpt(args: Sequence[str], nproc: int, timeout_s: float, env: Mapping
     this node's first NPROC GPUs (Megatron binds rank r to GPU r), NCCL by Megatron's default."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "megatron_async.launch", "--gpt", *map(str, args)]
-    return run_with_timeout(cmd, timeout_s, env=env, cwd=cwd)
+    return run_with_timeout(cmd, timeout_s, env=env, cwd=cwd, nproc=nproc)
 
 
 def run_module(module: str, args: Sequence[str], timeout_s: float,
