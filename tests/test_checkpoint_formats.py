@@ -159,6 +159,17 @@ def test_another_delay_correction_at_a_resume_is_refused_naming_both(tmp_path, t
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
 
 
+def test_another_delay_at_a_resume_is_refused_naming_the_saved_one(tmp_path, torch_checkpoint):
+    """2bw's stash holds one earlier version; a two-step delay needs two: refused before
+    training (without the check: an error when the stash is loaded)."""
+    ckpt = _copy(torch_checkpoint, tmp_path)
+    proc, metrics = _run(tmp_path, "delay2", 1, TORCH + ["--simulated-delay", "2", "--load", str(ckpt)])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    assert "--simulated-delay 2: the checkpoint" in line and "resume with a delay of 1" in line, line
+    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
+
+
 def test_no_load_optim_says_the_stash_is_not_loaded(tmp_path, torch_checkpoint):
     ckpt = _copy(torch_checkpoint, tmp_path)
     proc, metrics = _run(tmp_path, "fresh_optim", 2, TORCH + PP2_2BW + ["--no-load-optim", "--load", str(ckpt)])

@@ -309,6 +309,11 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
                   f"{', the delay correction' if held.get('delay_correction') else ''}); this run is synchronous "
                   "and does not use it", flush=True)
         return
+    saved_depth = max(int(held.get("simulated_delay") or 0), 1)  # 2bw: one stashed version
+    _require(saved_depth == max(args.simulated_delay, 1),
+             f"--simulated-delay {args.simulated_delay}: the checkpoint in {where} keeps the weights of "
+             f"{saved_depth} earlier step(s) for a delay of {saved_depth}, this run needs "
+             f"{max(args.simulated_delay, 1)}; resume with a delay of {saved_depth}")
     _check_correction_state(args, held)
     saved = held.get("layout")
     wanted = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
