@@ -109,13 +109,18 @@ def test_a_promised_stash_that_was_not_restored_stops_the_run(tmp_path, torch_ch
     assert "says it holds the 2bw weight stash, but it was not restored" in proc.stdout, proc.stdout[-4000:]
 
 
+def _refusal(tmp_path, name, nproc, flags) -> str:
+    """The one error line of a run refused before training (exit 2, no iteration logged)."""
+    proc, metrics = _run(tmp_path, name, nproc, flags)
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
+    return next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+
+
 def test_another_layout_is_refused_before_training_naming_both(tmp_path, torch_checkpoint):
     ckpt = _copy(torch_checkpoint, tmp_path)
-    proc, metrics = _run(tmp_path, "pp1", 1, TORCH + ["--simulated-delay", "1", "--load", str(ckpt)])
-    assert proc.returncode == 2, proc.stdout[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    line = _refusal(tmp_path, "pp1", 1, TORCH + ["--simulated-delay", "1", "--load", str(ckpt)])
     assert "saved at PP=2 TP=1 EP=1 DP=1" in line and "this run's PP=1 TP=1 EP=1 DP=1" in line, line
-    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
 
 
 def test_a_synchronous_resume_says_it_does_not_use_the_stash(tmp_path, torch_checkpoint):
@@ -152,22 +157,16 @@ def test_another_delay_correction_at_a_resume_is_refused_naming_both(tmp_path, t
         ckpt = _copy(torch_checkpoint, tmp_path)
     else:
         ckpt, _ = _first_half(tmp_path, 2, TORCH + PP2_2BW + ["--delay-correction", saved])
-    proc, metrics = _run(tmp_path, "other", 2, TORCH + PP2_2BW + ["--delay-correction", resumed, "--load", str(ckpt)])
-    assert proc.returncode == 2, proc.stdout[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    line = _refusal(tmp_path, "other", 2, TORCH + PP2_2BW + ["--delay-correction", resumed, "--load", str(ckpt)])
     assert f"--delay-correction {resumed}: the checkpoint" in line and f"saved with --delay-correction {saved}" in line
-    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
 
 
 def test_another_delay_at_a_resume_is_refused_naming_the_saved_one(tmp_path, torch_checkpoint):
     """2bw's stash holds one earlier version; a two-step delay needs two: refused before
     training (without the check: an error when the stash is loaded)."""
     ckpt = _copy(torch_checkpoint, tmp_path)
-    proc, metrics = _run(tmp_path, "delay2", 1, TORCH + ["--simulated-delay", "2", "--load", str(ckpt)])
-    assert proc.returncode == 2, proc.stdout[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    line = _refusal(tmp_path, "delay2", 1, TORCH + ["--simulated-delay", "2", "--load", str(ckpt)])
     assert "--simulated-delay 2: the checkpoint" in line and "resume with a delay of 1" in line, line
-    assert not metrics.exists() or "lm_loss" not in metrics.read_text()
 
 
 def test_no_load_optim_says_the_stash_is_not_loaded(tmp_path, torch_checkpoint):
@@ -237,9 +236,7 @@ def test_torch_dist_stash_reshards_to_another_layout(tmp_path, layout, reshard_r
 def test_per_rank_state_at_another_layout_is_refused_naming_it(tmp_path):
     flags = RESHARD + PP2_2BW + ["--delay-correction", "ef"]
     ckpt, _ = _first_half(tmp_path, 2, flags)
-    proc, _ = _run(tmp_path, "pp4", 4, RESHARD + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
-                                                  "2bw", "--delay-correction", "ef", "--load", str(ckpt)])
-    assert proc.returncode == 2, proc.stdout[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
+    line = _refusal(tmp_path, "pp4", 4, RESHARD + ["--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+                                                   "2bw", "--delay-correction", "ef", "--load", str(ckpt)])
     assert "the delay-correction state" in line and "PP=2" in line and "PP=4" in line, line
     assert "the weight stash" not in line, line  # the stash itself reshards
