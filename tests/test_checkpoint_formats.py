@@ -14,7 +14,7 @@ import json
 import shutil
 
 import pytest
-from test_megatron_loop import ITERS, RESUME, _assert_same, _losses, _run
+from test_megatron_loop import ITERS, RESUME, _assert_same, _logged_losses, _losses, _run
 
 TORCH = [a for a in RESUME if a not in ("--ckpt-format", "torch_dist")] + ["--ckpt-format", "torch"]
 PP2_2BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
@@ -33,8 +33,7 @@ def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second"):
     proc, second = _run(tmp_path, name, nproc, flags + ["--load", str(ckpt), "--save", str(ckpt),
                                                         "--save-interval", "100"])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    return [r["lm_loss"] for path in (first, second) for r in map(json.loads, path.read_text().splitlines())
-            if "lm_loss" in r]
+    return _logged_losses(first, second)
 
 
 CASES = {

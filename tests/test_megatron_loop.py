@@ -46,10 +46,15 @@ def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None)
     return proc, metrics
 
 
+def _logged_losses(*paths) -> list[float]:
+    """The training losses of metrics files, in order (a resumed run: first part, then the rest)."""
+    return [r["lm_loss"] for path in paths for r in map(json.loads, path.read_text().splitlines()) if "lm_loss" in r]
+
+
 def _losses(tmp_path, name, nproc, extra, **kw):
     proc, metrics = _run(tmp_path, name, nproc, extra, **kw)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    losses = [r["lm_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "lm_loss" in r]
+    losses = _logged_losses(metrics)
     assert len(losses) == ITERS and all(math.isfinite(x) for x in losses), losses
     return losses
 
@@ -178,17 +183,14 @@ def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
     proc, second = _run(tmp_path, "second", 2, MODEL_DROPOUT + ["--load", ckpt, "--save", ckpt,
                                                                 "--save-interval", "100"])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    resumed = [r["lm_loss"] for path in (first, second) for r in map(json.loads, path.read_text().splitlines())
-               if "lm_loss" in r]
+    resumed = _logged_losses(first, second)
     assert len(resumed) == ITERS
     _assert_same(resumed, full)
     if optimizer in ("muon+ef", "adam, stale-global clipping"):  # without our state it resumes elsewhere
         proc, without = _run(tmp_path, "without", 2, MODEL_DROPOUT + ["--load", str(bare)])
         assert proc.returncode == 0, proc.stdout[-4000:]
-        losses = [r["lm_loss"] for path in (first, without) for r in map(json.loads, path.read_text().splitlines())
-                  if "lm_loss" in r]
         with pytest.raises(AssertionError):
-            _assert_same(losses, full)
+            _assert_same(_logged_losses(first, without), full)
 
 
 def test_2bw_resumes_from_a_1f1b_checkpoint(tmp_path):
@@ -256,10 +258,6 @@ def test_non_finite_loss_stops_every_schedule_before_any_checkpoint(tmp_path, sc
     assert stopped == {logged + 1}, (stopped, logged)
 
 
-def _records_without_timing(path):
-    return [{k: v for k, v in json.loads(line).items() if k != "s_per_iter"} for line in path.read_text().splitlines()]
-
-
 def test_simulated_delay_zero_keeps_no_stash(tmp_path):
     """`--simulated-delay 0` (the default) builds no weight stash: its checkpoint says it
     holds none of ours. The control, `--simulated-delay 1`, holds a stash and trains
@@ -273,7 +271,7 @@ def test_simulated_delay_zero_keeps_no_stash(tmp_path):
         path = ckpt / "iter_0000004" / "megatron_async.json"
         assert (ckpt / "iter_0000004").is_dir()
         marker = json.loads(path.read_text()) if path.exists() else {}
-        runs[name] = (marker, [r["lm_loss"] for r in _records_without_timing(metrics) if "lm_loss" in r])
+        runs[name] = (marker, _logged_losses(metrics))
     assert runs["zero"][0] == {} and runs["one"][0].get("weight_stash"), (runs["zero"][0], runs["one"][0])
     assert len(runs["zero"][1]) == 4 and runs["zero"][1][2:] != runs["one"][1][2:]
 
@@ -298,8 +296,7 @@ def test_stale_global_clipping_is_the_one_cross_stage_reduction(tmp_path):
     common = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--clip-grad", "0.05"]
     crossing, _ = _audit(tmp_path, 2, common + ["--clip-grad-mode", "stale-global"])
     assert crossing and {(name, tuple(group)) for _rank, name, group in crossing} == {("all_reduce", (0, 1))}
-    stale = [r["lm_loss"] for r in map(json.loads, (tmp_path / "audit.jsonl").read_text().splitlines())
-             if "lm_loss" in r]
+    stale = _logged_losses(tmp_path / "audit.jsonl")
     local = _losses(tmp_path, "local", 2, common)
     # iterations 1-3 run at W0, W0, W1, and step 0 (W0 -> W1) has no older global norm: equal;
     # iteration 4 runs at W2, from step 1, the first clipped by a stale global norm

@@ -309,11 +309,12 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
                   f"{', the delay correction' if held.get('delay_correction') else ''}); this run is synchronous "
                   "and does not use it", flush=True)
         return
-    saved_depth = max(int(held.get("simulated_delay") or 0), 1)  # 2bw: one stashed version
-    _require(saved_depth == max(args.simulated_delay, 1),
+    # versions the stash keeps: the delay, or 1 for 2bw (whose marker says simulated_delay 0)
+    saved_depth, depth = max(int(held.get("simulated_delay") or 0), 1), max(args.simulated_delay, 1)
+    _require(saved_depth == depth,
              f"--simulated-delay {args.simulated_delay}: the checkpoint in {where} keeps the weights of "
-             f"{saved_depth} earlier step(s) for a delay of {saved_depth}, this run needs "
-             f"{max(args.simulated_delay, 1)}; resume with a delay of {saved_depth}")
+             f"{saved_depth} earlier step(s) for a delay of {saved_depth}, this run needs {depth}; "
+             f"resume with a delay of {saved_depth}")
     _check_correction_state(args, held)
     saved = held.get("layout")
     wanted = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
@@ -339,19 +340,17 @@ def _check_correction_state(args: argparse.Namespace, held: dict) -> None:
     keeps a stash of another shape."""
     from megatron_async.delay_correction import RULES
 
-    saved_rule, wanted_rule = held.get("delay_correction_rule"), args.delay_correction
-    if saved_rule is not None and saved_rule != wanted_rule:  # None: saved before the rule was recorded
-        _require("predict" not in (saved_rule, wanted_rule) and not (saved_rule in RULES and wanted_rule in RULES),
-                 f"--delay-correction {wanted_rule}: the checkpoint in {held['loaded_from']} was saved with "
-                 f"--delay-correction {saved_rule}, whose saved state this run cannot use; resume with "
-                 f"--delay-correction {saved_rule}")
+    where, saved_rule, rule = held["loaded_from"], held.get("delay_correction_rule"), args.delay_correction
+    if saved_rule is not None and saved_rule != rule:  # None: saved before the rule was recorded
+        _require("predict" not in (saved_rule, rule) and not (saved_rule in RULES and rule in RULES),
+                 f"--delay-correction {rule}: the checkpoint in {where} was saved with --delay-correction "
+                 f"{saved_rule}, whose saved state this run cannot use; resume with --delay-correction {saved_rule}")
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    where, wanted, saved = held["loaded_from"], args.delay_correction in RULES, bool(held.get("delay_correction"))
+    wanted, saved = rule in RULES, bool(held.get("delay_correction"))
     if wanted and not saved:
-        print(f"megatron-async: {where} holds no delay-correction state; --delay-correction "
-              f"{args.delay_correction} starts without a previous update (its first step after the resume "
-              "is uncorrected)", flush=True)
+        print(f"megatron-async: {where} holds no delay-correction state; --delay-correction {rule} starts "
+              "without a previous update (its first step after the resume is uncorrected)", flush=True)
     elif saved and not wanted:
         print(f"megatron-async: {where} holds delay-correction state; this run has no --delay-correction "
               "and does not use it", flush=True)

@@ -54,11 +54,12 @@ def ranks_running(session: int) -> list[int]:
 
 
 def _ranks_line(session: int, nproc: int | None) -> str:
-    running = ranks_running(session)
+    """'; ranks still running ...; exited before it ...' for a launch of `nproc` ranks, else ''."""
     if nproc is None:
-        return f"ranks still running at the timeout: {running}"
+        return ""
+    running = ranks_running(session)
     gone = [r for r in range(nproc) if r not in running]
-    return (f"ranks still running at the timeout: {running}; exited before it: {gone}"
+    return (f"; ranks still running at the timeout: {running}; exited before it: {gone}"
             + (" (look at these first: the others are likely waiting for them)" if gone and running else ""))
 
 
@@ -76,7 +77,7 @@ def run_with_timeout(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str
         ranks = _ranks_line(proc.pid, nproc)
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
-        raise TimeoutError(f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout_s:.0f} s; {ranks}:\n"
+        raise TimeoutError(f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout_s:.0f} s{ranks}:\n"
                            f"{out[-5000:]}") from None
     except BaseException:  # interrupted (Ctrl-C, pytest-timeout): leave no rank running
         os.killpg(proc.pid, 9)
