@@ -22,7 +22,9 @@ from megatron_async.schedules.actions import (
 from megatron_async.schedules.gen_2bw import min_microbatches_2bw, version_2bw
 from megatron_async.schedules.generators import generate
 from megatron_async.schedules.link_order import (
+    StepEnd,
     check_blocking_rendezvous,
+    check_step_ends,
     check_grad_accumulation_order,
     check_link_order,
 )
@@ -54,13 +56,15 @@ def segment(s: TwoBWStream, stage: int, b: int) -> tuple:
     return tuple(s.segment(stage, b))
 
 
-def runtime_lists(s: TwoBWStream, stop=None, drains=()) -> list[list]:
+def runtime_lists(s: TwoBWStream, stop=None, drains=(), ahead=True) -> list[list]:
     """Each stage's actions as the runtime posts them, for a run stopped after batch
     `stop` (None: run to the end, where finish runs the trailing sends) with a drain
-    (a save, an evaluation) after each batch in `drains`. A drain, and finish when it
-    stops early, receives the previous stage's activations of later batches from its
-    last segment that this stage lacks; the list's own receives of those are then
-    not posted again (StageExecutor.drain)."""
+    (a save, an evaluation) after each batch in `drains`, and StepEnd(t) where
+    train_step(t) returns to Megatron. Every train_step receives the previous stage's
+    activations of later batches from its segment that this stage lacks; the list's
+    own receives of those are then not posted again (StageExecutor._receive_sent_ahead).
+    `ahead=False`: the runtime before that receive (a drain or finish's drain did it
+    only when called), the negative control of the step-end checks."""
     last = s.n - 1 if stop is None else stop
     out = []
     for stage in range(s.p):
@@ -72,13 +76,17 @@ def runtime_lists(s: TwoBWStream, stop=None, drains=()) -> list[list]:
                     drained.discard(a.microbatch)
                 else:
                     posted.append(a)
-            if stage and b <= last and (b in drains or (b == last and stop is not None)):
+            if b > last:
+                continue
+            missing = []
+            if stage and (ahead or b in drains or (b == last and stop is not None)):
                 later = (s.first + b + 1) * s.m
                 have = {a.microbatch for a in posted if isinstance(a, RecvActivation)}
                 missing = [RecvActivation(a.microbatch, stage - 1) for a in segment(s, stage - 1, b)
                            if isinstance(a, SendActivation) and a.microbatch >= later and a.microbatch not in have]
-                posted += missing
                 drained |= {a.microbatch for a in missing}
+            # before StepEnd: train_step's early receive; after it: a drain (or finish's) Megatron calls
+            posted += (missing + [StepEnd(s.first + b)]) if ahead else ([StepEnd(s.first + b)] + missing)
         out.append(posted)
     return out
 
@@ -89,12 +97,28 @@ def test_2bw_runtime_posts_keep_link_order_and_finish(p, m):
         s = stream(p, m, first)
         for stop in STOPS:
             lists = runtime_lists(s, stop)
-            if stop is not None:  # finish's drain is part of what is checked
-                assert all(isinstance(acts[-1], RecvActivation) for acts in lists[1:]), (first, stop)
+            if stop is not None:  # the last step's early receive stands in for finish's drain
+                assert all(isinstance(acts[-2], RecvActivation) for acts in lists[1:]), (first, stop)
             check_link_order(lists)
             check_blocking_rendezvous(lists)
-            # a drain between steps receives what each list receives next: nothing changes order
+            check_step_ends(lists)
+            check_blocking_rendezvous(lists, step_end_barrier=True)
+            # a drain between steps receives nothing more: nothing changes order
             assert runtime_lists(s, stop, EVERY) == lists, (first, stop)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (4, 4), (8, 8)])
+def test_sends_left_for_the_next_step_fail_the_step_end_checks(p, m):
+    """Negative control: the runtime without the step-end receive (receiving a later
+    batch's activation only after its own step end) fails both step-end checks, and
+    only them: link order and the rendezvous without barriers hold."""
+    lists = runtime_lists(stream(p, m, 0), ahead=False)
+    check_link_order(lists)
+    check_blocking_rendezvous(lists)
+    with pytest.raises(ScheduleError, match="only after its own StepEnd"):
+        check_step_ends(lists)
+    with pytest.raises(ScheduleError, match="an all-rank barrier at the step end"):
+        check_blocking_rendezvous(lists, step_end_barrier=True)
 
 
 @pytest.mark.parametrize("p, m", SHAPES)
@@ -107,16 +131,16 @@ def test_2bw_first_backward_of_each_batch_is_its_first_microbatch(p, m):
 @pytest.mark.parametrize("p, m, first", [(2, 1, 0), (3, 5, 5), (4, 4, 0)])
 def test_runtime_lists_are_what_the_executor_posts(p, m, first, monkeypatch):
     """The real StageExecutor (train_step, drain, finish) with compute and transfers
-    replaced by recorders posts exactly `runtime_lists`; a stopped run's segments
-    without finish's drain differ from what it posts (negative control)."""
+    replaced by recorders posts exactly `runtime_lists`; the lists of the runtime
+    without the step-end receive differ from what it posts (negative control)."""
     s = stream(p, m, first)
     for stop, drains in [(stop, ()) for stop in STOPS] + [(None, EVERY), (BATCHES - 2, EVERY)]:
         expected = runtime_lists(s, stop, drains)
         for stage in range(p):
             posted = executor_posts(s, stage, stop, drains, monkeypatch)
             assert posted == expected[stage], (stage, stop, drains)
-            if stop is not None and stage:  # finish's drain is there
-                assert posted != [a for b in range(stop + 1) for a in segment(s, stage, b)], (stage, stop)
+            if stage:  # the early receive is there, before the step end
+                assert posted != runtime_lists(s, stop, drains, ahead=False)[stage], (stage, stop, drains)
 
 
 def executor_posts(s: TwoBWStream, stage: int, stop, drains, monkeypatch) -> list:
@@ -157,6 +181,7 @@ def executor_posts(s: TwoBWStream, stage: int, stop, drains, monkeypatch) -> lis
     e._forward, e._backward = forward, backward
     for b in range((s.n - 1 if stop is None else stop) + 1):
         e.train_step(s.first + b)
+        posted.append(StepEnd(s.first + b))
         if b in drains and (stop is None or b < stop):
             e.drain()
     e.finish()
@@ -233,8 +258,8 @@ def test_activations_sent_in_another_order_fail_link_order():
 def test_an_early_stop_without_the_drain_fails_both_checks():
     """Negative control: stopped after a batch with no drain, stage 1's warm-up sends
     to stage 2 have no receive: unmatched on the link, blocked forever."""
-    lists = runtime_lists(stream(4, 5, 0), stop=1)
-    undrained = [acts[:-1] if isinstance(acts[-1], RecvActivation) else acts for acts in lists]
+    lists = runtime_lists(stream(4, 5, 0), stop=1, ahead=False)
+    undrained = [acts[:acts.index(StepEnd(1)) + 1] for acts in lists]  # no step-end receive, no finish
     with pytest.raises(ScheduleError, match="has no operation left on this link"):
         check_link_order(undrained)
     with pytest.raises(ScheduleError, match="stage 3 has finished its list"):

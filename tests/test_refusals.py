@@ -111,6 +111,13 @@ CASES = {
     "ring-exchange p2p": (2, BASE + TWO_BW + ["--use-ring-exchange-p2p"], "--use-ring-exchange-p2p"),
     "p2p warm-up flush overlap": (2, BASE + TWO_BW + ["--overlap-p2p-communication-warmup-flush"],
                                   "--overlap-p2p-communication-warmup-flush"),
+    "optimizer CUDA graph": (2, BASE + TWO_BW + ["--optimizer-cuda-graph"], "--optimizer-cuda-graph"),
+    "optimizer CUDA graph, simulated delay": (1, BASE + ["--simulated-delay", "1", "--optimizer-cuda-graph"],
+                                              "--optimizer-cuda-graph"),
+    "EF with the precision-aware optimizer": (2, BASE + TWO_BW + ["--bf16", "--use-distributed-optimizer",
+                                                                  "--use-precision-aware-optimizer",
+                                                                  "--delay-correction", "ef"],
+                                              "--delay-correction ef with --use-precision-aware-optimizer"),
     "unknown delay correction": (1, BASE + ["--delay-correction", "sgd"], "--delay-correction"),
     "Newton-Schulz steps": (1, BASE + ["--optimizer", "muon", "--muon-num-ns-steps", "0"], "--muon-num-ns-steps"),
     "coefficient set": (1, BASE + ["--optimizer", "muon", "--muon-coefficient-type", "nonsense"],
@@ -132,6 +139,9 @@ ACCEPTED = {
     "2bw saving torch": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch"]),
     "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),
     "lion": (1, BASE + ["--optimizer", "lion"]),
+    # the corrections act on these: Megatron's bf16 main gradients reach the fp32 main parameters' .grad
+    "2bw, EF, bf16 main gradients": (2, BASE + TWO_BW + ["--bf16", "--main-grads-dtype", "bf16",
+                                                         "--delay-correction", "ef"]),
     "soap": (1, BASE + ["--optimizer", "soap"]),
 }
 

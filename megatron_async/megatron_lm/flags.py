@@ -140,6 +140,12 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     _check_optimizer(args)
     _check_data(args)
     _check_checkpoints(args)
+    if args.pipeline_schedule == "2bw" or args.simulated_delay:
+        _require(not getattr(args, "optimizer_cuda_graph", False),
+                 f"{'--pipeline-schedule 2bw' if args.pipeline_schedule == '2bw' else '--simulated-delay'}: "
+                 "--optimizer-cuda-graph replays a captured optimizer step, which skips the weight stash's save "
+                 "of the live weights and the delay correction's hooks (Python code a graph replay never runs), "
+                 "and its capture synchronises the device between all-rank barriers")
     _require(args.clip_grad_mode == "stage-local" or args.pipeline_schedule == "2bw",
              "--clip-grad-mode stale-global needs --pipeline-schedule 2bw")
     if args.pipeline_schedule is None:
@@ -194,6 +200,13 @@ def _check_delay_correction(args: argparse.Namespace, delays: tuple) -> None:
         _require(args.pipeline_schedule == "2bw" or set(delays) == {1},
                  f"--delay-correction {name} models a one-step delay (2bw, --simulated-delay 1); "
                  f"got --simulated-delay {','.join(map(str, delays))}")
+    if name in ("ef", "dc-asgd", "nesterov"):  # they act on the torch optimizer's .grad and main parameters
+        offload = " (which --optimizer-cpu-offload needs)" if getattr(args, "optimizer_cpu_offload", False) else ""
+        _require(not getattr(args, "use_precision_aware_optimizer", False),
+                 f"--delay-correction {name} with --use-precision-aware-optimizer{offload}: Transformer Engine's "
+                 "FusedAdam takes the gradients from .decoupled_grad and keeps the fp32 master weights inside "
+                 "itself, where the correction cannot reach them, so it would silently do nothing; drop one of "
+                 "the two flags")
     _require(args.dc_lambda >= 0.0, f"--dc-lambda must be >= 0 (got {args.dc_lambda})")
     _require(args.prediction_alpha >= 0.0, f"--prediction-alpha must be >= 0 (got {args.prediction_alpha})")
     if name == "nesterov":

@@ -10,9 +10,14 @@ state (activations in flight, pending sends) persists between training steps:
 next batch's warm-up forwards that precede it have already run.
 
 Nothing here communicates across pipeline stages except the point-to-point
-transfers the schedule lists. Between two training steps `drain()` matches every
-send still outstanding (a save or an evaluation must not run over an unmatched
-NCCL send); the drained receives are kept and not posted again.
+transfers the schedule lists. Every `train_step(t)` ends by receiving the
+activations the previous stage has already sent for later batches (its warm-up
+forwards of batch t+1): on NCCL a large send runs on the sender's GPU until its
+receiver posts, and Megatron's step-end code (timers, `torch.cuda.synchronize`,
+`empty_cache`, all-rank barriers) would otherwise wait on a send whose receive is
+only posted in the receiver's next step, behind the same barrier: a hang. These
+early receives are kept and not posted again. `drain()` then only waits for this
+stage's own sends (before a save, an evaluation or an exit).
 """
 
 from __future__ import annotations
@@ -183,31 +188,45 @@ class StageExecutor:
         found, result = self._run_until(step)
         if not found:
             raise RuntimeError(f"stage {self.links.stage}: no OptimizerStep({step}) left in its schedule")
+        self._receive_sent_ahead()
         return self._reports.pop(step, []), result
+
+    def _receive_sent_ahead(self) -> None:
+        """Receive what the previous stage sent before its OptimizerStep(t) for later batches.
+
+        Each stage stops right after its OptimizerStep(t). The previous stage has
+        already sent (or is about to send, before its own OptimizerStep(t))
+        activations of batch t+1's warm-up forwards that this stage's list receives
+        only after its OptimizerStep(t): one per stage pair in the steady state.
+        Receiving them here, before control returns to Megatron, means no send
+        posted in a stage's step t waits on its receiver's step t+1, so a
+        whole-device wait or an all-rank collective at any step end cannot hang.
+        The previous stage posts them without waiting on anything this stage does
+        after its step, so this never deadlocks; on each link they are the next
+        operations in order, so NCCL's per-link order is kept
+        (schedules/link_order.py `check_step_ends`). They are kept for their
+        forwards, whose receives are then not posted again.
+        """
+        if self.last_step is None or self.prev_segment is None:
+            return
+        first_next = (self.last_step + 1) * self.m  # batch last_step + 1's first microbatch
+        received = {k for kind, k in self._received if kind == "act"} | set(self._inflight) | self._drained
+        missing = [RecvActivation(a.microbatch, self.links.stage - 1) for a in self.prev_segment(self.last_step)
+                   if isinstance(a, SendActivation) and a.microbatch >= first_next and a.microbatch not in received]
+        if missing:
+            got, _ = post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
+            self._received.update(got)
+            self._drained.update(a.microbatch for a in missing)
 
     def drain(self) -> None:
         """Match every send still outstanding, between two training steps.
 
-        Each stage stops right after its OptimizerStep(t). The previous stage may
-        already have sent activations of batch t+1's warm-up forwards that this stage
-        has not received yet (one per stage pair in the steady state). This stage
-        receives exactly those now (known from the previous stage's list) and keeps
-        them for their forwards, whose receives are then not posted again, and waits
-        for its own sends, which the next stage receives the same way. Only receives
-        from upstream are waited for, so no cycle, hence no deadlock; and on each link
-        the early receives are the next operations in order, so NCCL's per-link
-        order is kept. Call it on every stage of the pipeline, or on none.
+        `train_step` has already received what the previous stage sent ahead
+        (`_receive_sent_ahead`), so this waits for this stage's own sends: the next
+        stage has received them, or receives them before its own step ends without
+        waiting on this stage. Call it on every stage of the pipeline, or on none.
         """
-        if self.last_step is not None and self.prev_segment is not None:
-            first_next = (self.last_step + 1) * self.m  # batch last_step + 1's first microbatch
-            received = {k for kind, k in self._received if kind == "act"} | set(self._inflight) | self._drained
-            missing = [RecvActivation(a.microbatch, self.links.stage - 1) for a in self.prev_segment(self.last_step)
-                       if isinstance(a, SendActivation) and a.microbatch >= first_next
-                       and a.microbatch not in received]
-            if missing:
-                got, _ = post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
-                self._received.update(got)
-                self._drained.update(a.microbatch for a in missing)
+        self._receive_sent_ahead()  # a no-op after train_step; kept for a drain before the first step
         self.pending_sends.wait_all()
 
     def finish(self) -> None:

@@ -11,6 +11,18 @@ runtime does, matches each direction on its own and accepts that list.
 every link; `check_blocking_rendezvous` runs all stages in order with each transfer
 blocking until its peer reaches it, and names every stage's blocked operation.
 
+Step ends. Between two optimizer steps control returns to Megatron's loop, whose
+step-end code may wait for the whole device (`torch.cuda.synchronize` in its
+timers, `empty_cache`, `--train-sync-interval`) and enter all-rank collectives
+(`--gpu-sniff-test-interval`, the exit barrier). On NCCL a large send runs on the
+sender's device until its receiver posts, so a send whose receive the peer posts
+only after its own step end would hold every such wait on the sender while the peer
+waits for the sender in the collective. `StepEnd(t)` marks where a stage's list
+returns to Megatron after step t; `check_step_ends` requires every send posted
+before a stage's StepEnd(t) to be received before the peer's StepEnd(t), and
+`check_blocking_rendezvous(..., step_end_barrier=True)` replays the lists with an
+all-rank barrier at every StepEnd.
+
 Gradient accumulation order. Transformer Engine's fused weight-gradient
 accumulation overwrites `main_grad` in the backward of the microbatch whose forward
 ran with `is_first_microbatch=True` and adds in every other backward; the executor
@@ -28,10 +40,20 @@ from megatron_async.schedules.actions import (
     OptimizerStep,
     Schedule,
     is_comm,
+    is_send,
     placement_of,
     tensor_key,
 )
+from dataclasses import dataclass
+
 from megatron_async.schedules.validator import ScheduleError
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """Where a stage's runtime list returns to Megatron's loop after OptimizerStep(step)."""
+
+    step: int
 
 # The passes that write weight gradients (a BackwardInput writes none).
 ACCUMULATING = (Backward, BackwardWeight)
@@ -73,25 +95,60 @@ def check_link_order(schedule: Schedule) -> None:
                                     f"same transfers in the same order (NCCL runs them in posting order)")
 
 
-def check_blocking_rendezvous(schedule: Schedule) -> None:
+def check_step_ends(schedule: Schedule) -> None:
+    """Every send a stage posts before its StepEnd(t) is received by the peer before
+    the peer's StepEnd(t); else ScheduleError naming both ends. Needs matched links
+    (`check_link_order` first)."""
+    for (s, q), (low, high) in sorted(link_operations(schedule).items()):
+        ends = {s: _steps_before(schedule[s]), q: _steps_before(schedule[q])}
+        for (i, a), (j, b) in zip(low, high):
+            (ss, si, sa), (rs, ri, ra) = ((s, i, a), (q, j, b)) if is_send(a) else ((q, j, b), (s, i, a))
+            sent, received = ends[ss][si], ends[rs][ri]
+            if received > sent:
+                raise ScheduleError(
+                    f"stage {ss} posts {sa!r} (action {si}) before its StepEnd({sent}), but stage {rs} receives "
+                    f"it (action {ri}) only after its own StepEnd({received - 1}): on NCCL the send would hold "
+                    f"stage {ss}'s device through Megatron's step-end code while stage {rs} waits there too")
+
+
+def _steps_before(acts) -> list[int]:
+    """For each action, the number of StepEnd markers before it."""
+    out, n = [], 0
+    for a in acts:
+        out.append(n)
+        n += isinstance(a, StepEnd)
+    return out
+
+
+def check_blocking_rendezvous(schedule: Schedule, step_end_barrier: bool = False) -> None:
     """Run every stage's list in order, each send or receive blocking until the peer
     stands at its counterpart on the same link (no buffering, one queue per link for
-    both directions); ScheduleError naming every stage's blocked operation if stuck."""
+    both directions); ScheduleError naming every stage's blocked operation if stuck.
+    `step_end_barrier`: every StepEnd(t) is an all-rank barrier (Megatron's step-end
+    collectives), passed when all stages stand at it."""
     placement = placement_of(schedule)
     lists = [list(acts) for acts in schedule]
     ptr = [0] * len(lists)
 
     def current(s: int):
-        """Stage s's next communication action, compute skipped (it never blocks)."""
-        while ptr[s] < len(lists[s]) and not is_comm(lists[s][ptr[s]]):
+        """Stage s's next communication action (or StepEnd with the barrier), compute
+        skipped (it never blocks)."""
+        while ptr[s] < len(lists[s]) and not (is_comm(lists[s][ptr[s]])
+                                              or (step_end_barrier and isinstance(lists[s][ptr[s]], StepEnd))):
             ptr[s] += 1
         return lists[s][ptr[s]] if ptr[s] < len(lists[s]) else None
 
     moved = True
     while moved:
         moved = False
+        if step_end_barrier:
+            at = [current(s) for s in range(len(lists))]
+            if at and all(isinstance(a, StepEnd) and a == at[0] for a in at):
+                for s in range(len(lists)):
+                    ptr[s] += 1
+                moved = True
         for s in range(len(lists)):
-            while (a := current(s)) is not None:
+            while (a := current(s)) is not None and not isinstance(a, StepEnd):
                 if not 0 <= a.peer < len(lists):
                     raise ScheduleError(f"stage {s}, action {ptr[s]} ({a!r}): no stage {a.peer}")
                 b = current(a.peer)
@@ -106,6 +163,8 @@ def check_blocking_rendezvous(schedule: Schedule) -> None:
             if ptr[s] >= len(lists[s]):
                 return f"stage {s} has finished its list"
             a = lists[s][ptr[s]]
+            if isinstance(a, StepEnd):
+                return f"stage {s} waits at {a!r} (an all-rank barrier at the step end)"
             return f"stage {s} blocks at action {ptr[s]} ({a!r}) waiting for stage {a.peer}"
         raise ScheduleError("deadlock under in-order blocking point-to-point: "
                             + "; ".join(state(s) for s in range(len(lists))))
