@@ -173,7 +173,8 @@ class _DeviceCtx:
 
 SEND_WAIT_ENV = "MEGATRON_ASYNC_CPU_SEND_WAIT_S"  # how long an emulated whole-device wait waits for a receiver
 EXIT_REPORT_ENV = "MEGATRON_ASYNC_EXIT_REPORT"  # a folder: each rank writes rank<R>.json at exit
-_SENDS: list = []  # (work, peer, bytes) of every isend not yet known complete
+_SENDS: list = []
+_EXIT_REPORTED = False  # (work, peer, bytes) of every isend not yet known complete
 
 
 class UnreceivedSendError(RuntimeError):
@@ -255,13 +256,16 @@ def _empty_cache() -> None:
     _wait_for_sends("torch.cuda.empty_cache")
 
 
-def _report_at_exit() -> None:
-    """With MEGATRON_ASYNC_EXIT_REPORT=DIR: this rank's sends left unwaited at exit, for tests."""
+def write_exit_report() -> None:
+    """With MEGATRON_ASYNC_EXIT_REPORT=DIR: this rank's sends left unwaited at exit, for
+    tests (the launcher calls it last; atexit too, for entries that exit otherwise)."""
     import json
 
+    global _EXIT_REPORTED
     folder = os.environ.get(EXIT_REPORT_ENV)
-    if not folder:
+    if not folder or _EXIT_REPORTED:  # the first report is the one before the process group goes
         return
+    _EXIT_REPORTED = True
     rank = os.environ.get("RANK", "0")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as out:
@@ -276,7 +280,7 @@ def _patch_isend() -> None:
 
     tracked = _track_isend(distributed_c10d.isend)
     dist.isend = distributed_c10d.isend = tracked  # P2POp checks its op against the module's isend
-    atexit.register(_report_at_exit)
+    atexit.register(write_exit_report)
 
 
 def _cuda_patches() -> dict[str, Any]:

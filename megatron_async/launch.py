@@ -50,15 +50,24 @@ def main(argv=None) -> int:
     from megatron_async import cpu
 
     on_cpu = cpu.setup_device("auto") == "cpu"
-    from megatron_async.megatron_lm.flags import FlagError
     from megatron_async.megatron_lm.hooks import install
-    from megatron_async.megatron_lm.side_state import CheckpointStateError
-    from megatron_async.pipeline.non_finite import NonFiniteError
 
     install()
     script, rest = argv[0], argv[1:]
     if on_cpu:
         rest = with_cpu_flags(rest)
+    try:
+        return _run_and_finish(script, rest)
+    finally:
+        if on_cpu:
+            cpu.write_exit_report()
+
+
+def _run_and_finish(script: str, rest: list[str]) -> int:
+    from megatron_async.megatron_lm.flags import FlagError
+    from megatron_async.megatron_lm.side_state import CheckpointStateError
+    from megatron_async.pipeline.non_finite import NonFiniteError
+
     try:
         _run(script, rest)
     except FlagError as err:
@@ -100,6 +109,10 @@ def _finish() -> None:
 
     if dist.is_initialized():
         metrics.finish(get_args().plot)
+        from megatron_async import cpu
+
+        if cpu.is_active():  # before the group is destroyed, which aborts what is left
+            cpu.write_exit_report()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -133,7 +133,14 @@ def _train(original):
             from megatron_async.megatron_lm import moe_routing
 
             moe_routing.attach(kwargs["model"] if "model" in kwargs else args[1])
-        result = original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except SystemExit:  # Megatron's exits inside train (--exit-interval, ...): drain and finish first
+            runtime.finish()
+            raise
+        except BaseException:
+            runtime.abandon()
+            raise
         runtime.finish()
         return result
 

@@ -295,9 +295,26 @@ def drain() -> None:
 
 
 def finish() -> None:
-    """Run the trailing actions of the 2bw pipeline so no neighbour waits on us."""
+    """Run the trailing actions of the 2bw pipeline so no neighbour waits on us (at the
+    end of --train-iters, and at every exit Megatron takes out of train: --exit-interval
+    with or without --save, its other sys.exit paths)."""
     if STATE.runner is not None:
         STATE.runner.finish()
+
+
+ABANDON_WAIT_S = 30.0
+
+
+def abandon() -> None:
+    """Training raised: this rank's posted sends were received by now unless a neighbour
+    is gone; wait for them (at most ABANDON_WAIT_S each), say how many were not, and
+    leave the exception to end the job."""
+    if STATE.runner is None:
+        return
+    lost = STATE.runner.abandon(ABANDON_WAIT_S)
+    if lost:
+        print(f"megatron-async: stage {pipeline_stage()}: {lost} point-to-point send(s) to a neighbour stage were "
+              "never received (it stopped too); the job ends without them", flush=True)
 
 
 def stage_group():

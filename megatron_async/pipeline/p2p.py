@@ -131,7 +131,19 @@ class PendingSends:
                 keep.append(entry)
         self._sends = keep
 
-    def wait_all(self) -> None:
+    def wait_all(self, timeout_s: float | None = None) -> int:
+        """Wait on every send held; with `timeout_s`, give each at most that long (a
+        neighbour may be gone) and return how many were never received."""
+        import datetime
+
+        lost = 0
         for _batch, work, _tensor in self._sends:
-            work.wait()
+            if timeout_s is None:
+                work.wait()
+                continue
+            try:
+                work.wait(datetime.timedelta(seconds=timeout_s))
+            except RuntimeError:
+                lost += 1
         self._sends = []
+        return lost

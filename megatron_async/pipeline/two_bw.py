@@ -160,6 +160,12 @@ class TwoBWRunner:
         self.model.train()
         return reports
 
+    def abandon(self, timeout_s: float) -> int:
+        """Training stopped by an exception: wait (bounded, a neighbour may be gone) for
+        the sends this stage posted; returns how many were never received. Nothing is
+        received or posted: the pipeline is not driven any further."""
+        return self.executor.pending_sends.wait_all(timeout_s)
+
     def finish(self) -> None:
         self.executor.finish()
         if self.stale_norm:

@@ -2,9 +2,11 @@
 step-end tests (tests/test_step_end_waits.py), with two switches read from the
 environment:
 
-- MEGATRON_ASYNC_TEST_WITHOUT_STEP_END_RECEIVE=1: the 2bw runtime as it was before
-  its step-end receive (a stage received a later batch's activation only in its next
-  step): the negative control, whose hang the CPU emulation of NCCL must catch;
+- MEGATRON_ASYNC_TEST_OLD_RUNTIME=1: the 2bw runtime as it was before its step-end
+  receive (a stage received a later batch's activation only in its next step) and
+  before its exit paths finished (only a normal end of training drained): the
+  negative control, whose hangs the CPU emulation of NCCL must catch and whose sends
+  left at exit the exit report must count;
 - MEGATRON_ASYNC_TEST_QUICK_SNIFF=1: Megatron's `--gpu-sniff-test-interval` check with
   its GEMM and bandwidth benchmarks (80 s on the CPU) replaced by one all-reduce over
   all ranks and a device synchronisation, keeping what matters to the pipeline:
@@ -24,6 +26,20 @@ def _train_step_without_early_receive(self, step: int):
     return self._reports.pop(step, []), result
 
 
+def _old_exit_paths() -> None:
+    """finish only when train returned normally; nothing when it raised or exited."""
+    from megatron_async.megatron_lm import runtime
+
+    finish = runtime.finish
+
+    def finish_unless_leaving():
+        if sys.exc_info()[0] is None:
+            finish()
+
+    runtime.finish = finish_unless_leaving
+    runtime.abandon = lambda: None
+
+
 def _quick_sniff(tag="", pg_collection=None):
     value = torch.ones(1)
     torch.distributed.all_reduce(value)  # over all ranks, as the real check's all-reduce benchmark
@@ -31,10 +47,11 @@ def _quick_sniff(tag="", pg_collection=None):
 
 
 if __name__ == "__main__":
-    if os.environ.get("MEGATRON_ASYNC_TEST_WITHOUT_STEP_END_RECEIVE") == "1":
+    if os.environ.get("MEGATRON_ASYNC_TEST_OLD_RUNTIME") == "1":
         from megatron_async.pipeline.executor import StageExecutor
 
         StageExecutor.train_step = _train_step_without_early_receive
+        _old_exit_paths()
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
         from megatron.training import gpu_sniff_test
 
