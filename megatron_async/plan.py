@@ -27,9 +27,12 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
   action stream (plan_p2p.py), each of the activation shape in the pipeline dtype.
 
 `total` is the training peak, the sum of those terms' peaks. A checkpoint save under
-2bw clones the stash (WeightStashManager.state_dict) on the device: `save_clone`, and
-`save_total` = total + save_clone is the peak budget during a save. Prints a table and
-exits 1 if a stage's peak during a save does not fit in --gpu-gb.
+2bw adds nothing on the GPU (`save_gpu` = 0): the torch format's per-rank file streams
+the stash to host memory one flat buffer at a time (WeightStashManager.state_dict,
+tests/test_stash_save.py), `save_host` bytes of host memory a rank, and torch_dist
+saves the stash's own views. `save_total` = total + save_gpu is the peak budget during
+a save. Prints a table and exits 1 if a stage's peak during a save does not fit in
+--gpu-gb.
 """
 
 from __future__ import annotations
@@ -145,14 +148,14 @@ def plan(args) -> list[dict]:
             "activations": _activation_bytes(args, stage, per_stage, last),
             "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
         }
-        save_clone = memory["stash"]  # state_dict() clones every stash slot
+        save_gpu, save_host = 0, memory["stash"]  # state_dict() streams every stash slot to the host
         total = sum(memory.values())
         rows.append({"stage": stage, "stage_params": counts["dense"] + counts["expert"],
                      "stage_expert_params": counts["expert"], "gpu_params": gpu,
                      "memory_gb": {k: v / 2**30 for k, v in memory.items()},
                      "total_gb": total / 2**30,
-                     "save_clone_gb": save_clone / 2**30,
-                     "save_total_gb": (total + save_clone) / 2**30,
+                     "save_gpu_gb": save_gpu / 2**30, "save_host_gb": save_host / 2**30,
+                     "save_total_gb": (total + save_gpu) / 2**30,
                      "p2p": {**dataclasses.asdict(p2p[stage]), "tensor_bytes": tensor_bytes} if two_bw else None})
     return rows
 
@@ -160,12 +163,12 @@ def plan(args) -> list[dict]:
 def _print_table(rows: list[dict]) -> None:
     keys = list(rows[0]["memory_gb"])
     print("| stage | params/GPU | " + " | ".join(f"{k} GB" for k in keys)
-          + " | total GB (training peak) | save_clone GB | total GB during a save |")
-    print("|" + " --- |" * (len(keys) + 5))
+          + " | total GB (training peak) | save_gpu GB | save_host GB | total GB during a save |")
+    print("|" + " --- |" * (len(keys) + 6))
     for r in rows:
         print(f"| {r['stage']} | {r['gpu_params'] / 1e9:.3f}B | "
               + " | ".join(f"{r['memory_gb'][k]:.1f}" for k in keys)
-              + f" | {r['total_gb']:.1f} | {r['save_clone_gb']:.1f} | {r['save_total_gb']:.1f} |")
+              + f" | {r['total_gb']:.1f} | {r['save_gpu_gb']:.1f} | {r['save_host_gb']:.1f} | {r['save_total_gb']:.1f} |")
     for r in rows:
         if r["p2p"]:
             c = r["p2p"]

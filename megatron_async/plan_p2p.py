@@ -50,6 +50,11 @@ class _Posted:
     def wait(self) -> None:
         pass
 
+    def is_completed(self) -> bool:
+        """Never known complete before its retirement: the plan budgets for sends that
+        are still on the wire (gloo's case; NCCL may retire them earlier)."""
+        return False
+
 
 def replay(actions, num_microbatches: int, first: bool, last: bool, retire_lag: int = RETIRE_LAG) -> P2PPeak:
     """Peaks of `actions` (one stage's list) as the executor runs them: sends held in

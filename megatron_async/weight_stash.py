@@ -200,8 +200,7 @@ class WeightStashManager:
         """Save the live weights (version `newest`) over the oldest stashed version."""
         slots = range(self.slots) if all_slots else [self._oldest_slot()]
         for slot in slots:
-            for dst, src in zip(self._slot_views[slot], self._live):
-                dst.copy_(src)
+            torch._foreach_copy_(self._slot_views[slot], self._live)  # one multi-tensor launch, not one per weight
             self._slot_version[slot] = self.newest
 
     def _oldest_slot(self) -> int:
@@ -253,10 +252,12 @@ class WeightStashManager:
         return sum(t.numel() * t.element_size() for t in self._live)
 
     def state_dict(self) -> dict:
+        """The stash for a per-rank checkpoint file, streamed to host memory one flat
+        buffer at a time: a save adds no copy of the weights on the GPU."""
         return {
             "newest": self.newest,
             "slot_version": list(self._slot_version),
-            "slots": [[flat.clone() for flat in slot] for slot in self._slots],
+            "slots": [[flat.detach().to("cpu", copy=True) for flat in slot] for slot in self._slots],
         }
 
     def param_name(self, index: int) -> str:

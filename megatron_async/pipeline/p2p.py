@@ -118,7 +118,10 @@ class PendingSends:
         return len(self._sends)
 
     def add(self, sends: list) -> None:
-        """Hold `sends` as post_run returns them: (microbatch, work, tensor)."""
+        """Hold `sends` as post_run returns them: (microbatch, work, tensor), dropping
+        the ones already complete (on NCCL `is_completed()` reports a finished send; under
+        gloo it stays False until waited on, so there the bound above does the work)."""
+        self._sends = [entry for entry in self._sends if not entry[1].is_completed()]
         self._sends.extend((k // self.m, work, tensor) for k, work, tensor in sends)
 
     def retire_through(self, batch: int) -> None:
