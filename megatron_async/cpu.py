@@ -173,8 +173,8 @@ class _DeviceCtx:
 
 SEND_WAIT_ENV = "MEGATRON_ASYNC_CPU_SEND_WAIT_S"  # how long an emulated whole-device wait waits for a receiver
 EXIT_REPORT_ENV = "MEGATRON_ASYNC_EXIT_REPORT"  # a folder: each rank writes rank<R>.json at exit
-_SENDS: list = []
-_EXIT_REPORTED = False  # (work, peer, bytes) of every isend not yet known complete
+_SENDS: list = []  # (work, peer, bytes) of every isend not yet known complete
+_EXIT_REPORTED = False
 
 
 class UnreceivedSendError(RuntimeError):
@@ -193,7 +193,7 @@ class _SendWork:
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
+            self._work.wait(*([] if timeout is None else [timeout]))
             self._done = True
         return True
 

@@ -226,7 +226,6 @@ class StageExecutor:
         stage has received them, or receives them before its own step ends without
         waiting on this stage. Call it on every stage of the pipeline, or on none.
         """
-        self._receive_sent_ahead()  # a no-op after train_step; kept for a drain before the first step
         self.pending_sends.wait_all()
 
     def finish(self) -> None:

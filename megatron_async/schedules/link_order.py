@@ -33,6 +33,8 @@ batch b precedes OptimizerStep(b): `check_grad_accumulation_order`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_async.schedules.actions import (
     MATCHING,
     Backward,
@@ -44,8 +46,6 @@ from megatron_async.schedules.actions import (
     placement_of,
     tensor_key,
 )
-from dataclasses import dataclass
-
 from megatron_async.schedules.validator import ScheduleError
 
 

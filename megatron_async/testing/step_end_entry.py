@@ -19,11 +19,24 @@ import sys
 import torch
 
 
-def _train_step_without_early_receive(self, step: int):
-    found, result = self._run_until(step)
-    if not found:
-        raise RuntimeError(f"stage {self.links.stage}: no OptimizerStep({step}) left in its schedule")
-    return self._reports.pop(step, []), result
+def _old_step_end() -> None:
+    """train_step without the early receive; drain receiving it instead, as it used to."""
+    from megatron_async.pipeline.executor import StageExecutor
+
+    train_step, drain = StageExecutor.train_step, StageExecutor.drain
+
+    def train_step_without_receive(self, step: int):
+        self._receive_sent_ahead = lambda: None  # shadows the method for this call only
+        try:
+            return train_step(self, step)
+        finally:
+            del self._receive_sent_ahead
+
+    def drain_receiving_first(self) -> None:
+        self._receive_sent_ahead()
+        drain(self)
+
+    StageExecutor.train_step, StageExecutor.drain = train_step_without_receive, drain_receiving_first
 
 
 def _old_exit_paths() -> None:
@@ -48,9 +61,7 @@ def _quick_sniff(tag="", pg_collection=None):
 
 if __name__ == "__main__":
     if os.environ.get("MEGATRON_ASYNC_TEST_OLD_RUNTIME") == "1":
-        from megatron_async.pipeline.executor import StageExecutor
-
-        StageExecutor.train_step = _train_step_without_early_receive
+        _old_step_end()
         _old_exit_paths()
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
         from megatron.training import gpu_sniff_test
