@@ -110,6 +110,12 @@ def _fastest(fn, repeats: int, keep: int = 5) -> float:
     return statistics.fmean(sorted(times)[:keep])
 
 
+def _copy_per_parameter(stash) -> None:
+    """The step's weight copy as it was before one `torch._foreach_copy_`: a copy a parameter."""
+    for dst, src in zip(stash.slot_views()[0], stash._live):
+        dst.copy_(src)
+
+
 def breakdown(model, spec, stash, repeats: int = 30) -> dict:
     """The stash's own costs, timed directly: one microbatch's forward+backward with and
     without the saved-tensor hooks (alternating), the copy of the live weights a step
@@ -140,13 +146,19 @@ def breakdown(model, spec, stash, repeats: int = 30) -> dict:
                           ("hooks_noguard", lambda: forward_backward(True, guard=False))):
             timings[mode].append(_fastest(run, 1, 1))
     microbatch = {mode: statistics.fmean(sorted(t)[:5]) for mode, t in timings.items()}
+    # point_to before the copies: a copy overwrites the older version the swap points to
+    point_to = _fastest(lambda: (stash.point_to(stash.newest - 1 if stash.newest else 0),
+                                 stash.point_to(stash.newest)), repeats) / 2
+    copies = {"foreach": [], "per_parameter": []}
+    for _ in range(repeats):  # the step's copy against the one-copy-per-parameter loop it replaced, alternated
+        copies["foreach"].append(_fastest(stash.copy_live_into_stash, 1, 1))
+        copies["per_parameter"].append(_fastest(lambda: _copy_per_parameter(stash), 1, 1))
     return {
         "saved_tensors_per_forward": saved[0],
         "microbatch_s": microbatch,
-        # point_to before the copy: the copy overwrites the older version the swap points to
-        "point_to_s": _fastest(lambda: (stash.point_to(stash.newest - 1 if stash.newest else 0),
-                                        stash.point_to(stash.newest)), repeats) / 2,
-        "stash_copy_s": _fastest(lambda: stash.copy_live_into_stash(), repeats),
+        "point_to_s": point_to,
+        "stash_copy_s": statistics.fmean(sorted(copies["foreach"])[:5]),
+        "stash_copy_per_parameter_s": statistics.fmean(sorted(copies["per_parameter"])[:5]),
         "weight_bytes": stash.live_bytes(),
     }
 
@@ -203,7 +215,8 @@ def report(r: dict) -> str:
         f"direct timings (mean of the 5 fastest): one microbatch forward+backward {mb['plain']:.4f} s plain, "
         f"{mb['hooks']:.4f} s with hooks + guard, {mb['hooks_noguard']:.4f} s hooks alone "
         f"({b['saved_tensors_per_forward']} saved tensors); stash copy {1e3 * b['stash_copy_s']:.2f} ms for "
-        f"{b['weight_bytes'] / 2**20:.1f} MiB; point_to {1e3 * b['point_to_s']:.3f} ms",
+        f"{b['weight_bytes'] / 2**20:.1f} MiB (one copy a parameter: "
+        f"{1e3 * b['stash_copy_per_parameter_s']:.2f} ms); point_to {1e3 * b['point_to_s']:.3f} ms",
         f"estimated share of a plain iteration ({r['plain_iteration_fastest_s']:.3f} s): "
         f"delay {100 * r['estimated_share']['delay']:.2f}%, hooks on every forward "
         f"{100 * r['estimated_share']['hooks_every_forward']:.2f}%",
