@@ -139,9 +139,6 @@ ACCEPTED = {
     "2bw saving torch": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch"]),
     "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),
     "lion": (1, BASE + ["--optimizer", "lion"]),
-    # not refused: without the precision-aware optimizer Megatron hands the fp32 main parameters their .grad
-    "2bw, EF, bf16 main gradients": (2, BASE + TWO_BW + ["--bf16", "--main-grads-dtype", "bf16",
-                                                         "--delay-correction", "ef"]),
     "soap": (1, BASE + ["--optimizer", "soap"]),
 }
 
