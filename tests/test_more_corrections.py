@@ -13,7 +13,10 @@
   SGD(nesterov=True) (float64, 1e-12; negative control: uncorrected is not); Adam's
   first moment becomes beta m_t + (1 - beta) g_t of the plain Adam fed the same
   gradients; beta = 0 is bitwise the plain optimizer (negative control: 0.9 is not);
-  2bw at PP=2 equals its PP=1 twin (1e-6).
+  2bw at PP=2 equals its PP=1 twin (1e-6);
+- both DC-ASGD and Nesterov under Adam's distributed optimizer and the layer-wise
+  distributed Muon at DP=2 equal DP=1 (layout tolerances), and differ from DP=2
+  without the correction (negative control: the correction acts on the shards).
 """
 
 import pytest
@@ -196,3 +199,31 @@ def _merged(results: list[dict]) -> dict:
     losses = [r["losses"] for r in results if r["losses"][0] is not None][0]
     params = {name: value for r in results for name, value in r["params"].items()}
     return {"losses": losses, "params": params}
+
+
+# --- under Megatron's distributed optimizers -------------------------------------------
+
+# Both rules are elementwise in the main parameters and their gradients, so each DP rank
+# corrects its own shard (Adam's distributed optimizer) or its own whole parameters (the
+# layer-wise distributed Muon) with no communication: DP=2 equals DP=1 to the layout
+# tolerances of tests/test_delay_correction.py (10% of one optimizer step).
+MUON_LAYER_WISE = dict(optimizer="muon", lr=2e-2, extra_optimizer_config=dict(
+    muon_fp32_matmul_prec="highest", use_layer_wise_distributed_optimizer=True, bf16=True))
+DISTRIBUTED = {"adam distributed optimizer": (dict(use_distributed_optimizer=True), 1e-3),
+               "layer-wise distributed muon": (MUON_LAYER_WISE, 2e-3)}
+
+
+@pytest.mark.parametrize("layout", sorted(DISTRIBUTED))
+@pytest.mark.parametrize("rule,strength", [("dc-asgd", 1.0), ("nesterov", 0.9)])
+def test_correction_acts_on_the_distributed_optimizer_shards(layout, rule, strength):
+    from test_delay_correction import LAYOUT_LOSS_RTOL, LAYOUT_RTOL
+
+    extra, atol = DISTRIBUTED[layout]
+    spec = TinyGPT(simulated_delay=1, **COMMON, **extra)
+    (ref,) = run_distributed(dc_train_entry, 1, spec, STEPS, strength, rule)
+    sharded = run_distributed(dc_train_entry, 2, spec, STEPS, strength, rule)
+    assert_same_trajectory(ref, sharded, LAYOUT_RTOL, atol, LAYOUT_LOSS_RTOL)
+    # negative control: the correction changes the sharded trajectory (it is not skipped)
+    plain = run_distributed(dc_train_entry, 2, spec, STEPS, None)
+    with pytest.raises(AssertionError):
+        assert_same_trajectory(ref, plain, LAYOUT_RTOL, atol, LAYOUT_LOSS_RTOL)
