@@ -106,7 +106,7 @@ def plan(args) -> list[dict]:
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_async.parallel import init_model_parallel
-    from megatron_async.plan_p2p import activation_tensor_bytes, stage_peaks
+    from megatron_async.plan_p2p import activation_tensor_bytes, stage_peaks, stage_peaks_on_completion
 
     import torch.distributed as dist
 
@@ -130,6 +130,7 @@ def plan(args) -> list[dict]:
     two_bw = args.pipeline_schedule == "2bw"
     m = args.global_batch_size // (args.micro_batch_size * dp)  # microbatches a batch, per data-parallel rank
     p2p = stage_peaks(p, m) if two_bw else None
+    on_completion = stage_peaks_on_completion(p, m) if two_bw else None
     tensor_bytes = activation_tensor_bytes(args)
     rows = []
     for stage in range(p):
@@ -156,7 +157,8 @@ def plan(args) -> list[dict]:
                      "total_gb": total / 2**30,
                      "save_gpu_gb": save_gpu / 2**30, "save_host_gb": save_host / 2**30,
                      "save_total_gb": (total + save_gpu) / 2**30,
-                     "p2p": {**dataclasses.asdict(p2p[stage]), "tensor_bytes": tensor_bytes} if two_bw else None})
+                     "p2p": {**dataclasses.asdict(p2p[stage]), "tensor_bytes": tensor_bytes,
+                             "sends_on_completion": on_completion[stage].sends} if two_bw else None})
     return rows
 
 
@@ -174,7 +176,8 @@ def _print_table(rows: list[dict]) -> None:
             c = r["p2p"]
             print(f"stage {r['stage']} p2p_buffers: at most {c['act_sends']} activation and {c['grad_sends']} "
                   f"gradient sends held, {c['sends']} at once; {c['buffers']} buffers at the peak "
-                  f"x {c['tensor_bytes'] / 2**20:.1f} MiB")
+                  f"x {c['tensor_bytes'] / 2**20:.1f} MiB; on NCCL, where a finished send retires at the next "
+                  f"post, a balanced pipeline holds {c['sends_on_completion']} sends at once")
 
 
 def fits_on_gpu(rows: list[dict], gpu_gb: float) -> bool:

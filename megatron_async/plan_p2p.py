@@ -56,15 +56,28 @@ class _Posted:
         return False
 
 
-def replay(actions, num_microbatches: int, first: bool, last: bool, retire_lag: int = RETIRE_LAG) -> P2PPeak:
+class _TimedSend(_Posted):
+    """A send that reports completion once its receive has ended (NCCL's `is_completed`)."""
+
+    def __init__(self, received_at: float, clock: list):
+        self.received_at, self.clock = received_at, clock
+
+    def is_completed(self) -> bool:
+        return self.received_at <= self.clock[0]
+
+
+def replay(actions, num_microbatches: int, first: bool, last: bool, retire_lag: int = RETIRE_LAG,
+           posted=None) -> P2PPeak:
     """Peaks of `actions` (one stage's list) as the executor runs them: sends held in
     a PendingSends per direction, retired through batch t - `retire_lag` after
-    OptimizerStep(t); counted after every action."""
+    OptimizerStep(t); counted after every action. `posted(index, action)` gives a
+    send's work object (by default one never complete before its retirement)."""
+    posted = posted or (lambda _index, _action: _Posted())
     held = {"act": PendingSends(num_microbatches), "grad": PendingSends(num_microbatches)}
     outgoing: set = set()  # (kind, microbatch) produced, not yet posted
     received: set = set()  # (kind, microbatch) received, not yet consumed
     peak = {"act": 0, "grad": 0, "sends": 0, "buffers": 0}
-    for action in actions:
+    for index, action in enumerate(actions):
         if isinstance(action, Forward):
             received.discard(("act", action.microbatch))
             if not last:
@@ -76,7 +89,7 @@ def replay(actions, num_microbatches: int, first: bool, last: bool, retire_lag: 
         elif isinstance(action, (SendActivation, SendGrad)):
             kind = "act" if isinstance(action, SendActivation) else "grad"
             outgoing.remove((kind, action.microbatch))
-            held[kind].add([(action.microbatch, _Posted(), None)])
+            held[kind].add([(action.microbatch, posted(index, action), None)])
         elif isinstance(action, (RecvActivation, RecvGrad)):
             received.add(("act" if isinstance(action, RecvActivation) else "grad", action.microbatch))
         elif isinstance(action, OptimizerStep):
@@ -98,6 +111,35 @@ def stage_peaks(num_stages: int, num_microbatches: int, batches: int = REPLAY_BA
     stream = TwoBWStream(num_stages, num_microbatches, batches)
     return [replay(stream.actions(s), num_microbatches, s == 0, s == num_stages - 1, retire_lag)
             for s in range(num_stages)]
+
+
+def stage_peaks_on_completion(num_stages: int, num_microbatches: int, batches: int = REPLAY_BATCHES,
+                              fwd: float = 1.0, bwd: float = 2.0) -> list[P2PPeak]:
+    """The peaks when a send retires as soon as it is known complete (NCCL: once its
+    receive has ended; PendingSends.add drops it at this stage's next post), timed by
+    the schedule simulator with forward and backward costs `fwd` and `bwd`.
+
+    Timing-dependent (a slow receiver keeps sends held longer), so the plan budgets
+    for `stage_peaks`, the bound that holds whatever the timing; this is what a
+    balanced NCCL pipeline is expected to hold."""
+    from megatron_async.schedules.actions import is_comm, is_send, placement_of, tensor_key
+    from megatron_async.schedules.simulator import simulate
+
+    lists = TwoBWStream(num_stages, num_microbatches, batches).lists()
+    ends = simulate(lists, fwd=fwd, bwd=bwd).action_ends
+    placement = placement_of(lists)
+    received_at = {tensor_key(a, s, placement): ends[s][i] for s, acts in enumerate(lists)
+                   for i, a in enumerate(acts) if is_comm(a) and not is_send(a)}
+    peaks = []
+    for s, acts in enumerate(lists):
+        clock = [0.0]
+
+        def posted(index, action, s=s, clock=clock):
+            clock[0] = ends[s][index]  # the send's run has ended: PendingSends.add prunes now
+            return _TimedSend(received_at[tensor_key(action, s, placement)], clock)
+
+        peaks.append(replay(acts, num_microbatches, s == 0, s == num_stages - 1, posted=posted))
+    return peaks
 
 
 def activation_tensor_bytes(args) -> int:

@@ -9,6 +9,10 @@
   retires makes the held sends grow to every send of the run); the retirement lag
   moves the counts; the default replay length has reached the steady state (a much
   longer run peaks the same, while a rule that never retires does not).
+- Retiring a send as soon as it is known complete (NCCL's `is_completed()`, pruned by
+  PendingSends.add at the next post), timed by the schedule simulator: the held sends
+  no longer grow with m (equal at m = 4 and m = 64) and stay below the bound; a send
+  that never reports completion gives back the bound (negative control).
 - The tensor size agrees with Megatron's own pipeline shape (get_tensor_shapes) for
   sequence and context parallelism and for two dtypes.
 """
@@ -19,7 +23,9 @@ import pytest
 import torch
 
 from megatron_async.pipeline.p2p import PendingSends
-from megatron_async.plan_p2p import REPLAY_BATCHES, activation_tensor_bytes, replay, stage_peaks
+from megatron_async import plan_p2p
+from megatron_async.plan_p2p import (REPLAY_BATCHES, activation_tensor_bytes, replay, stage_peaks,
+                                     stage_peaks_on_completion)
 from megatron_async.schedules.actions import SendActivation, SendGrad
 from megatron_async.schedules.stream_2bw import TwoBWStream
 from megatron_async.testing.multiprocess import run_distributed
@@ -103,6 +109,16 @@ def test_default_replay_reaches_the_steady_state(p, m, monkeypatch):
     assert stage_peaks(p, m) == stage_peaks(p, m, batches=4 * REPLAY_BATCHES)
     monkeypatch.setattr(PendingSends, "retire_through", lambda self, batch: None)  # the check can fail
     assert stage_peaks(p, m) != stage_peaks(p, m, batches=4 * REPLAY_BATCHES)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_sends_retired_on_completion_do_not_grow_with_the_batch(p, monkeypatch):
+    small, large = stage_peaks_on_completion(p, max(4, p)), stage_peaks_on_completion(p, 64)
+    bound = stage_peaks(p, 64)
+    assert [x.sends for x in small] == [x.sends for x in large]
+    assert all(0 < x.sends < b.sends for x, b in zip(large, bound))
+    monkeypatch.setattr(plan_p2p._TimedSend, "is_completed", lambda self: False)  # the check can fail
+    assert stage_peaks_on_completion(p, 64) == bound
 
 
 class _Group:

@@ -70,6 +70,39 @@ def report_losses(reports: list[dict]) -> list[float]:
     return values
 
 
+class LossFlag:
+    """Whether a batch's losses are all finite, read after the step without a device wait.
+
+    Made on the device before the optimizer step and copied to pinned host memory
+    behind an event. The step's own gradient-norm read (Megatron's `get_grad_norm`)
+    waits for the device anyway, so the read after the step finds the copy done:
+    the last stage no longer blocks once per microbatch on `float(loss)` after the
+    step, which waited for the optimizer and stash kernels too.
+    """
+
+    def __init__(self, reports: list[dict]):
+        self.reports = reports
+        values = [torch.as_tensor(v).reshape(-1)[0].float() for r in reports for v in r.values()]
+        self._host, self._event = None, None
+        if not values:
+            return
+        finite = torch.isfinite(torch.stack(values)).all()
+        if finite.is_cuda:
+            self._host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._host.copy_(finite, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = finite
+
+    def all_finite(self) -> bool:
+        if self._host is None:
+            return True
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host)
+
+
 # Megatron's own check (rerun state machine, --check-for-nan-in-loss-and-grad) raises
 # "Rank R, node N, device D, iteration I: Unexpected result nan (message='...')".
 _MEGATRON_CHECK = re.compile(r"Unexpected result (\S+) \(message='(.*)'\)")

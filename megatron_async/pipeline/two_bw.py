@@ -20,7 +20,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_async.pipeline.executor import StageExecutor
-from megatron_async.pipeline.non_finite import check_finite, report_losses, step_grad_norm
+from megatron_async.pipeline.non_finite import LossFlag, check_finite, report_losses, step_grad_norm
 from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
 from megatron_async.pipeline.weight_caches import disable_first_microbatch_caches
@@ -77,6 +77,7 @@ class TwoBWRunner:
         stage = self.links.stage
         prev_segment = (lambda t: stream.segment(stage - 1, t - start_batch)) if stage else None
         self.stash = stash or WeightStashManager(model, depth=1)
+        self._loss_flag: LossFlag | None = None  # batch t's losses, checked after OptimizerStep(t)
         disable_first_microbatch_caches(model)  # before the first forward: TE's fp8 weight cache
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         if data_for is None:
@@ -89,6 +90,8 @@ class TwoBWRunner:
         )
 
     def _step(self, step: int):
+        # this batch's losses are all known here (the last stage ran every forward of it)
+        self._loss_flag = LossFlag(self.executor._reports.get(step, []))
         self.finalize_grads()
         if self.optimizer is None:
             return None  # Megatron's train_step steps next
@@ -109,7 +112,9 @@ class TwoBWRunner:
         Raises NonFiniteError when this stage's gradient norm or losses are not finite.
         """
         reports, result = self.executor.train_step(step)
-        check_finite(step + 1, self.links.stage, None, report_losses(reports))
+        flag, self._loss_flag = self._loss_flag, None
+        if flag is not None and not flag.all_finite():
+            check_finite(step + 1, self.links.stage, None, report_losses(reports))
         return reports, result
 
     def drain(self) -> None:

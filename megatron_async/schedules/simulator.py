@@ -63,6 +63,7 @@ class SimResult:
     step_end_times: list[float]  # when the last stage finished optimizer step t
     report: ScheduleReport
     events: list[SimEvent] = field(default_factory=list)
+    action_ends: list[list[float]] = field(default_factory=list)  # [stage][index]: when each action ended
 
     @property
     def num_stages(self) -> int:
@@ -132,6 +133,7 @@ def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0
     arrivals: dict[int, dict[int, float]] = {}
     events: list[SimEvent] = []
     busy = [0.0] * p
+    action_ends: list[list[float]] = [[] for _ in range(p)]
 
     def run(s: int) -> bool:
         acts, moved = lists[s], False
@@ -165,11 +167,13 @@ def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0
                 if any(k not in sent for k in keys):
                     return moved
                 clock[s] = max([clock[s]] + [sent[k] + p2p for k in keys])
+                action_ends[s].extend([clock[s]] * (end - ptr[s]))
                 ptr[s], posted[s] = end, False
                 moved = True
                 continue
             clock[s] += dur
             busy[s] += dur
+            action_ends[s].append(clock[s])
             ptr[s] += 1
             moved = True
         return moved
@@ -195,6 +199,7 @@ def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0
         step_end_times=step_ends,
         report=report,
         events=events,
+        action_ends=action_ends,
     )
 
 
