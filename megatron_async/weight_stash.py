@@ -62,6 +62,7 @@ class WeightStashManager:
         self.slots = depth if predict is None else 2
         self.depth = depth
         self.newest = 0  # version held by the live weights
+        self.restored = False  # the stash came back from a checkpoint (else it holds construction-time copies)
         self.params: list[torch.nn.Parameter] = []
         self._live: list[torch.Tensor] = []  # each param's live storage (DDP's views)
         self._slots: list[list[torch.Tensor]] = [[] for _ in range(self.slots)]  # flat buffers per slot
@@ -240,6 +241,12 @@ class WeightStashManager:
         self._pointed = None
         self._point_live()
 
+    @torch.no_grad()
+    def holds_live(self) -> bool:
+        """Whether the first slot still equals the live weights (false once a checkpoint
+        load, or anything else, changed the weights after the stash copied them)."""
+        return all(torch.equal(old, live) for old, live in zip(self._slot_views[0], self._live))
+
     # --- accounting and checkpoints --------------------------------------------
     def num_weight_buffers(self) -> int:
         """Distinct weight versions in memory: the live one plus the stash slots."""
@@ -282,6 +289,7 @@ class WeightStashManager:
                     view.copy_(tensor)
         self.newest = newest
         self._slot_version = list(slot_version)
+        self.restored = True
         self._pointed = None
         self._point_live()
 
@@ -292,6 +300,7 @@ class WeightStashManager:
                              f"{self.slots} (--delay-correction predict keeps two predictions, 2bw one version)")
         self.newest = state["newest"]
         self._slot_version = list(state["slot_version"])
+        self.restored = True
         for slot, flats in zip(self._slots, state["slots"]):
             for dst, src in zip(slot, flats):
                 dst.copy_(src)

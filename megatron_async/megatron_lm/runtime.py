@@ -137,11 +137,15 @@ def wrap_optimizer(model, optimizer):
 
 
 def start_from_checkpoint(args) -> None:
-    """Before the first step: a stash restored from the checkpoint is at --load's iteration.
-    One the checkpoint does not hold (a 1F1B checkpoint, --no-load-optim) starts both
-    versions equal; one it promises but did not give back is an error, never a silent start."""
+    """Before the first step the stash holds the weights training starts from.
+
+    A stash restored from the checkpoint is at --load's iteration. Otherwise (a fresh
+    start, a 1F1B checkpoint, --no-load-optim, --finetune, --pretrained-checkpoint)
+    every stashed version becomes a copy of the live weights as loaded: the stash was
+    filled when the optimizer was built, before Megatron loaded any checkpoint. One the
+    checkpoint promises but did not give back is an error, never a silent start."""
     stash = STATE.stash
-    if stash.newest == args.iteration:
+    if stash.restored and stash.newest == args.iteration:
         return
     if STATE.resumed.get(STASH_KEY) and not (args.no_load_optim or args.finetune):
         from megatron_async.megatron_lm.side_state import CheckpointStateError
@@ -151,11 +155,17 @@ def start_from_checkpoint(args) -> None:
             f"stash, but it was not restored (stash at step {stash.newest}, run at iteration {args.iteration}). "
             "A checkpoint saved with --ckpt-format torch by an older megatron-async lacks it: delete its "
             "megatron_async.json to resume with both weight versions equal")
-    if STATE.resumed.get(STASH_KEY) and torch.distributed.get_rank() == 0:
-        flag = "--finetune" if args.finetune else "--no-load-optim"
-        print(f"megatron-async: {flag}: the checkpoint's weight stash is not loaded; both weight versions "
-              "start equal", flush=True)
+    loaded = not stash.holds_live()  # a checkpoint load changed the weights after the stash copied them
     stash.start_equal_at(args.iteration)
+    if (loaded or STATE.resumed.get(STASH_KEY)) and torch.distributed.get_rank() == 0:
+        if args.finetune:  # Megatron sets it for --pretrained-checkpoint too
+            why = "--finetune: the checkpoint's weights are loaded without a weight stash"
+        elif args.no_load_optim and STATE.resumed.get(STASH_KEY):
+            why = "--no-load-optim: the checkpoint's weight stash is not loaded"
+        else:
+            why = "the checkpoint holds no weight stash"
+        print(f"megatron-async: {why}; both weight versions start equal, at the loaded weights "
+              f"(iteration {args.iteration})", flush=True)
 
 
 def saved_contents_marker() -> dict:

@@ -7,6 +7,9 @@ environment:
   before its exit paths finished (only a normal end of training drained): the
   negative control, whose hangs the CPU emulation of NCCL must catch and whose sends
   left at exit the exit report must count;
+- MEGATRON_ASYNC_TEST_OLD_STASH_START=1: the stash's start as it was before it followed
+  the checkpoint load (tests/test_stash_start.py's negative control): a stash at the
+  run's iteration was kept, though it held the weights from before the load;
 - MEGATRON_ASYNC_TEST_QUICK_SNIFF=1: Megatron's `--gpu-sniff-test-interval` check with
   its GEMM and bandwidth benchmarks (80 s on the CPU) replaced by one all-reduce over
   all ranks and a device synchronisation, keeping what matters to the pipeline:
@@ -53,6 +56,18 @@ def _old_exit_paths() -> None:
     runtime.abandon = lambda: None
 
 
+def _old_stash_start() -> None:
+    from megatron_async.megatron_lm import runtime
+
+    start = runtime.start_from_checkpoint
+
+    def start_unless_at_the_iteration(args):
+        if runtime.STATE.stash.newest != args.iteration:
+            start(args)
+
+    runtime.start_from_checkpoint = start_unless_at_the_iteration
+
+
 def _quick_sniff(tag="", pg_collection=None):
     value = torch.ones(1)
     torch.distributed.all_reduce(value)  # over all ranks, as the real check's all-reduce benchmark
@@ -63,6 +78,8 @@ if __name__ == "__main__":
     if os.environ.get("MEGATRON_ASYNC_TEST_OLD_RUNTIME") == "1":
         _old_step_end()
         _old_exit_paths()
+    if os.environ.get("MEGATRON_ASYNC_TEST_OLD_STASH_START") == "1":
+        _old_stash_start()
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
         from megatron.training import gpu_sniff_test
 
