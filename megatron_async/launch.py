@@ -16,12 +16,6 @@ import os
 import runpy
 import sys
 
-if __name__ == "__mp_main__":  # a worker's spawned child (e.g. the checkpoint writer's Manager)
-    from megatron_async.launcher_watch import exit_with_parent
-
-    exit_with_parent()
-
-
 # What Megatron needs to train on the CPU (no Transformer Engine, apex or fused CUDA
 # kernels; gloo instead of NCCL). Added where CUDA is absent, unless the flag is given.
 # Gradient-accumulation fusion stays on, as on GPUs: the CPU emulation provides its

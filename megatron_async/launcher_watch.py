@@ -13,8 +13,10 @@ The same for a worker's own multiprocessing children: Megatron's torch_dist
 checkpoint writer starts a `Manager` with the spawn method, which outlives a
 worker killed with SIGKILL, and so does the resource tracker that waits for it,
 holding hundreds of MB each until the node reboots. A spawned child re-imports the
-worker's main module as `__mp_main__` (megatron_async.launch calls
-`exit_with_parent` there) and exits when its parent does.
+worker's main module as `__mp_main__`; whatever the entry (`-m megatron_async.launch`,
+the console scripts, a training script with the patched Megatron), that imports this
+package, whose `__init__` calls `exit_with_parent` in a spawned child, which then
+exits when its parent does.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 
 POLL_SECONDS = 1.0
+_STARTED: dict = {}
 
 
 def _watch(parent: int, poll_seconds: float, what: str = "launcher") -> None:
@@ -41,6 +44,9 @@ def exit_with_launcher(poll_seconds: float = POLL_SECONDS) -> bool:
     """Start the watch thread when launched by torchrun; returns whether it started."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
+    if _STARTED.get("launcher") == os.getpid():  # once per process (launch and the hooks both ask)
+        return True
+    _STARTED["launcher"] = os.getpid()
     thread = threading.Thread(target=_watch, args=(os.getppid(), poll_seconds),
                               name="launcher-watch", daemon=True)
     thread.start()

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 import time
 
 import pytest
@@ -71,15 +72,25 @@ def _command(pid):
         return ""
 
 
+# The console script runs the worker's main module from its bin/ file, not from
+# megatron_async.launch: the spawned Manager's watch must come from the package itself.
+ENTRIES = {"module": ["-m", "megatron_async.launch"],
+           "console script": [str(Path(sys.executable).parent / "megatron-async-pretrain")]}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
 @pytest.mark.parametrize("victim", ["launcher", "worker"])
-def test_no_process_outlives_a_killed_job(tmp_path, victim):
-    """SIGKILL of torchrun or of one worker, after a checkpoint save: every process the
-    job started (workers, the checkpoint writer's Manager, resource trackers,
-    data-loader workers) is gone within 10 s."""
+def test_no_process_outlives_a_killed_job(tmp_path, victim, entry):
+    """SIGKILL of torchrun or of one worker, after a checkpoint save, for `-m
+    megatron_async.launch` and the `megatron-async-pretrain` console script: every
+    process the job started (workers, the checkpoint writer's Manager, resource
+    trackers, data-loader workers) is gone within 10 s."""
     progress = tmp_path / "progress.jsonl"
     args = MEGATRON_LOOP + ["--metrics-json", progress, "--save", tmp_path / "ckpt", "--save-interval", "2"]
+    if entry == "console script":
+        args = args[1:]  # the console script is `launch --gpt`
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "megatron_async.launch", *map(str, args)]
+           *ENTRIES[entry], *map(str, args)]
     launcher = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     started = []

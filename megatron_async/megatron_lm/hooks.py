@@ -196,14 +196,18 @@ def _save_checkpoint(original):
 
 
 def _load_checkpoint(original):
-    """A checkpoint that fails to load is named, with the previous complete one."""
+    """A checkpoint that fails to load is named, with the previous complete one.
+
+    Megatron's loader gives up with a bare `sys.exit()` (exit code 0) on an unreadable
+    file, a bad tracker, a missing rng state, `--exit-on-missing-checkpoint`: each
+    becomes an error here, so a job that trained nothing never exits 0."""
 
     @functools.wraps(original)
     def hooked(*args, **kwargs):
         try:
             return original(*args, **kwargs)
         except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is one
-            if isinstance(err, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+            if isinstance(err, (KeyboardInterrupt, GeneratorExit)):
                 raise
             from megatron.training import get_args
 
@@ -211,13 +215,26 @@ def _load_checkpoint(original):
             from megatron_async.megatron_lm.side_state import CheckpointStateError
 
             margs = get_args()
-            if isinstance(err, CheckpointStateError) or not margs.load:
+            if isinstance(err, SystemExit) and err.code not in (None, 0):
                 raise
+            if isinstance(err, SystemExit) and getattr(margs, "exit_on_missing_checkpoint", False) and (
+                    not margs.load or tracked_iteration(margs.load) is None):
+                raise CheckpointStateError(
+                    f"megatron-async: --exit-on-missing-checkpoint: --load {margs.load} holds no checkpoint to "
+                    "resume, so nothing was trained") from None
+            if isinstance(err, CheckpointStateError):
+                raise
+            root = margs.load if tracked_iteration(margs.load or "") is not None else (
+                getattr(margs, "pretrained_checkpoint", None) or margs.load)
             step = getattr(margs, "ckpt_step", None)
-            iteration = step if step is not None else tracked_iteration(margs.load)
+            iteration = step if step is not None else tracked_iteration(root) if root else None
             if iteration is None:
+                if isinstance(err, SystemExit):
+                    raise CheckpointStateError(
+                        "megatron-async: Megatron's checkpoint loader gave up (its message is above) with exit "
+                        "code 0; nothing was trained") from None
                 raise
-            raise CheckpointStateError(f"megatron-async: {load_failure(margs.load, iteration, err)}") from err
+            raise CheckpointStateError(f"megatron-async: {load_failure(root, iteration, err)}") from err
 
     return hooked
 
@@ -424,3 +441,6 @@ def install() -> None:
         original = getattr(module, hook.name)
         _INSTALLED[(hook.module, hook.name)] = original
         setattr(module, hook.name, hook.wrap(original))
+    from megatron_async.launcher_watch import exit_with_launcher
+
+    exit_with_launcher()  # every entry installs the hooks: launch, the console scripts, a patched script
