@@ -131,3 +131,62 @@ def test_damaged_files_are_found_by_their_recorded_sizes(tmp_path):
         torch.save({"w": torch.arange(1000.0)}, path)
     bad.write_bytes(bad.read_bytes()[:-100])
     assert damaged_files(str(tmp_path)) == [str(bad)]
+
+
+TORCH_FORMAT = [a for a in TORCH_DIST if a not in ("--ckpt-format", "torch_dist")] + ["--ckpt-format", "torch"]
+
+
+@pytest.fixture(scope="module")
+def torch_format_checkpoint(tmp_path_factory):
+    """A 2bw PP=2 run checkpointed in the torch format at iterations 4 and 8."""
+    root = tmp_path_factory.mktemp("torn")
+    proc, _ = _run(root, "first", 2, TORCH_FORMAT + ["--save", str(root / "ckpt"), "--save-interval", "4"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return root / "ckpt"
+
+
+def _torn_copy(ckpt, tmp_path, ranks):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    torn = []
+    for rank in ranks:
+        path = copy / "iter_0000008" / f"mp_rank_00_{rank:03d}" / "model_optim_rng.pt"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        torn.append(path)
+    return copy, torn
+
+
+@pytest.mark.parametrize("ranks", [(0, 1), (1,)], ids=["every rank's file", "rank 1's file"])
+def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_path, torch_format_checkpoint, ranks,
+                                                                          monkeypatch):
+    """Megatron's loader prints "could not load the checkpoint" and calls a bare sys.exit()
+    (exit code 0). Under torchrun the job now fails: each rank that found a damaged file
+    names it, itself and the previous complete iteration, and torchrun's root cause is
+    such a rank, not a healthy peer that lost its connection. Negative control: with
+    Megatron's exit passed through, the job exits 0 having trained nothing."""
+    import re
+
+    from megatron_async.testing.launch import _torchrun
+    from test_megatron_loop import CPU, MODEL, TRAIN
+
+    copy, torn = _torn_copy(torch_format_checkpoint, tmp_path, ranks)
+    argv = ["--gpt", *CPU, *MODEL, *TRAIN, *TORCH_FORMAT, "--load", str(copy), "--train-iters", "12",
+            "--override-opt_param-scheduler"]
+    proc = _torchrun(["-m", "megatron_async.launch", *argv], 2, 300, None)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-4000:]
+    for rank, path in zip(ranks, torn):
+        line = next((x for x in out.splitlines() if "damaged: " in x and str(path) in x and x.endswith(f"(rank {rank})")), None)
+        assert line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, out[-4000:]
+    root_cause = out[out.index("Root Cause"):]
+    assert int(re.search(r"rank\s*:\s*(\d+)", root_cause).group(1)) in ranks, root_cause
+    assert "cannot be loaded" in root_cause, root_cause
+    assert " iteration        9/" not in out
+    # negative control: the exit Megatron takes there used to end the job with 0
+    monkeypatch.setenv("MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT", "1")
+    proc = _torchrun(["-m", "megatron_async.testing.step_end_entry", *argv], 2, 300, None)
+    if ranks == (0, 1):
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        assert "could not load the checkpoint" in proc.stdout

@@ -10,6 +10,9 @@ environment:
 - MEGATRON_ASYNC_TEST_OLD_STASH_START=1: the stash's start as it was before it followed
   the checkpoint load (tests/test_stash_start.py's negative control): a stash at the
   run's iteration was kept, though it held the weights from before the load;
+- MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT=1: Megatron's bare `sys.exit()` on its load path
+  passed through as it used to (exit code 0; tests/test_checkpoint_guard.py's negative
+  control);
 - MEGATRON_ASYNC_TEST_QUICK_SNIFF=1: Megatron's `--gpu-sniff-test-interval` check with
   its GEMM and bandwidth benchmarks (80 s on the CPU) replaced by one all-reduce over
   all ranks and a device synchronisation, keeping what matters to the pipeline:
@@ -68,6 +71,30 @@ def _old_stash_start() -> None:
     runtime.start_from_checkpoint = start_unless_at_the_iteration
 
 
+def _old_load_exit() -> None:
+    import dataclasses
+    import functools
+
+    from megatron_async.megatron_lm import hooks
+
+    def passing_exits_through(original):
+        wrapped = hooks._load_checkpoint(original)
+
+        @functools.wraps(original)
+        def hooked(*args, **kwargs):
+            try:
+                return wrapped(*args, **kwargs)
+            except Exception as err:
+                if isinstance(err.__context__, SystemExit):  # what the hook made of Megatron's exit
+                    raise err.__context__ from None
+                raise
+
+        return hooked
+
+    hooks.HOOKS = tuple(dataclasses.replace(h, wrap=passing_exits_through) if h.name == "load_checkpoint" else h
+                        for h in hooks.HOOKS)
+
+
 def _quick_sniff(tag="", pg_collection=None):
     value = torch.ones(1)
     torch.distributed.all_reduce(value)  # over all ranks, as the real check's all-reduce benchmark
@@ -80,6 +107,8 @@ if __name__ == "__main__":
         _old_exit_paths()
     if os.environ.get("MEGATRON_ASYNC_TEST_OLD_STASH_START") == "1":
         _old_stash_start()
+    if os.environ.get("MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT") == "1":
+        _old_load_exit()
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
         from megatron.training import gpu_sniff_test
 
