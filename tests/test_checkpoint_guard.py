@@ -113,6 +113,7 @@ def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
     proc, metrics = _run(tmp_path, "longer", 2, longer + ["--load", str(ckpt), "--train-iters", "16"])
     assert proc.returncode == 2, proc.stdout[-4000:]
     assert "--override-opt_param-scheduler" in proc.stdout and "--use-checkpoint-opt_param-scheduler" in proc.stdout
+    assert "is 16 in this run but 8 in the checkpoint" in proc.stdout, proc.stdout[-3000:]  # iterations, not samples
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
     proc, _ = _run(tmp_path, "override", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "16",
                                                           "--override-opt_param-scheduler"])

@@ -248,10 +248,19 @@ def _check_scheduler_value(original):
         try:
             return original(self, cls_value, sd_value, name)
         except AssertionError:
+            from megatron.training import get_args
+
             from megatron_async.megatron_lm.side_state import CheckpointStateError
 
+            this, saved = cls_value, sd_value
+            margs = get_args()
+            # Megatron counts these in samples (iterations x global batch) when --train-iters is given
+            if "iterations" in name and margs.train_samples is None and margs.rampup_batch_size is None:
+                gbs = margs.global_batch_size
+                if isinstance(this, int) and isinstance(saved, int) and this % gbs == 0 and saved % gbs == 0:
+                    this, saved = this // gbs, saved // gbs
             raise CheckpointStateError(
-                f"megatron-async: the learning-rate schedule's {name} is {cls_value} in this run but {sd_value} in "
+                f"megatron-async: the learning-rate schedule's {name} is {this} in this run but {saved} in "
                 "the checkpoint (a changed --train-iters, --lr, warm-up or decay flag); pass "
                 "--override-opt_param-scheduler to use this run's values, or --use-checkpoint-opt_param-scheduler "
                 "to keep the checkpoint's") from None
