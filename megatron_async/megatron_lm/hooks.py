@@ -84,6 +84,10 @@ def _get_megatron_optimizer(original):
             from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
 
             clip_like_pipeline_stages(model_chunks, margs.num_layers, margs.simulated_pipeline_stages)
+        if margs.save:  # before any checkpoint is loaded or saved (megatron_lm/save_lock.py)
+            from megatron_async.megatron_lm.save_lock import take_on_every_rank
+
+            take_on_every_rank(margs.save)
         return runtime.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
 
     return hooked
@@ -181,8 +185,11 @@ def _save_checkpoint(original):
         from megatron_async.megatron_lm import side_state
         from megatron_async.megatron_lm.checkpoint import checkpoint_dir, write_marker
 
-        runtime.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
         root = get_args().save
+        from megatron_async.megatron_lm.save_lock import check_before_save
+
+        check_before_save(root, iteration)  # one writer per --save
+        runtime.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
         contents = runtime.saved_contents_marker()
         if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
             side_state.save(checkpoint_dir(root, iteration), runtime.per_rank_state())
