@@ -46,6 +46,8 @@ def _without(args, *flags):
 # name: (world size, command line, text the one-line message must contain)
 CASES = {
     "no learning rate": (1, _without(BASE, "--lr"), "--lr is required"),
+    "--save without --save-interval": (1, BASE + ["--save", "/tmp/megatron_async_unused_save"],
+                                       "--save /tmp/megatron_async_unused_save needs --save-interval N"),
     "unknown schedule": (1, BASE + ["--pipeline-schedule", "zigzag"], "--pipeline-schedule 'zigzag'"),
     "simulation-only schedule": (2, BASE + PP2 + ["--pipeline-schedule", "gpipe"], "can only be simulated"),
     "schedule Megatron would not run": (2, BASE + PP2 + ["--pipeline-schedule", "no-pipelining"],

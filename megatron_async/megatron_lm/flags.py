@@ -128,6 +128,15 @@ SILENTLY_WRONG_UNDER_2BW = (
 )
 
 
+def validate_first(args: argparse.Namespace) -> None:
+    """Before Megatron's validate_args: the flags it checks with a bare assert."""
+    _require(not getattr(args, "save", None) or getattr(args, "save_interval", None) is not None,
+             f"--save {getattr(args, 'save', None)} needs --save-interval N, the iterations between checkpoints "
+             "(Megatron has no default); e.g. --save-interval 1000")
+    _require(getattr(args, "save_interval", None) is None or args.save_interval > 0,
+             f"--save-interval must be > 0 (got {getattr(args, 'save_interval', None)})")
+
+
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Check our flags against Megatron's (after Megatron's validate_args filled derived values)."""
     delays = args.simulated_delay if isinstance(args.simulated_delay, tuple) else (args.simulated_delay,)

@@ -47,6 +47,7 @@ def _add_megatron_arguments(original):
 def _validate_args(original):
     @functools.wraps(original)
     def hooked(args, *rest, **kwargs):
+        flags.validate_first(args)  # what Megatron would only assert, without a word
         result = original(args, *rest, **kwargs)
         flags.validate(args)
         return result
