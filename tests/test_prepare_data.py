@@ -212,3 +212,22 @@ def test_a_directory_without_text_files_is_refused_naming_it(tmp_path, capsys):
     assert main(["--input", str(empty), "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert f"--input {empty}: a directory with no .txt or .jsonl file in it" in err
+
+
+def test_an_empty_input_among_others_is_named_when_skipped():
+    from megatron_async.data.corpus import read_inputs
+
+    said = []
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        empty, blank, text = Path(folder, "empty.txt"), Path(folder, "blank.jsonl"), Path(folder, "text.txt")
+        empty.write_bytes(b"")
+        blank.write_text("\n  \n")
+        text.write_text("words to train on\n")
+        docs = read_inputs([str(empty), str(blank), str(text)], log=said.append)
+    assert [d.name for d in docs] == ["text.txt"]
+    assert said == [f"--input {empty}: empty (no text), skipped", f"--input {blank}: empty (no text), skipped"]
+    # negative control: an input with text is not named
+    assert not any(str(text) in line for line in said)

@@ -177,16 +177,21 @@ def check_inputs(paths: Sequence[str]) -> None:
 
 
 def read_inputs(
-    paths: Sequence[str], json_key: str = "text", txt_documents: str = "file", encoding: str = "utf-8"
+    paths: Sequence[str], json_key: str = "text", txt_documents: str = "file", encoding: str = "utf-8",
+    log=print,
 ) -> list[Document]:
     """Documents from .txt files (one per file, or one per blank-line paragraph) and .jsonl files.
 
     Every file is decoded strictly in `encoding`; binary or mis-encoded files raise DataError (textfile.py).
+    An input that holds no text is skipped, and `log` names it.
     """
     check_inputs(paths)
     docs: list[Document] = []
     for path in paths:
         p = Path(path)
+        if not p.read_bytes().strip():
+            log(f"--input {path}: empty (no text), skipped")
+            continue
         text = decode(p.read_bytes(), str(p), encoding)
         if p.suffix.lower() == ".jsonl":
             docs.extend(_read_jsonl(p, text, json_key))

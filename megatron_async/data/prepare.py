@@ -131,7 +131,7 @@ def _previous(out: Path, settings: dict) -> Optional[dict]:
 
 def _load_documents(corpus, inputs, json_key, txt_documents, encoding, cache) -> tuple[list[Document], dict]:
     if inputs:
-        docs = read_inputs(inputs, json_key=json_key, txt_documents=txt_documents, encoding=encoding)
+        docs = read_inputs(inputs, json_key=json_key, txt_documents=txt_documents, encoding=encoding, log=log)
         if not docs:
             raise DataError("the --input files hold no text")
         return docs, {"inputs": [str(p) for p in inputs]}
