@@ -32,7 +32,8 @@ the stash to host memory one flat buffer at a time (WeightStashManager.state_dic
 tests/test_stash_save.py), `save_host` bytes of host memory a rank, and torch_dist
 saves the stash's own views. `save_total` = total + save_gpu is the peak budget during
 a save. Prints a table and exits 1 if a stage's peak during a save does not fit in
---gpu-gb.
+--gpu-gb. Also prints the size of one checkpoint, which the run checks --save has room
+for before training (megatron_lm/save_space.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import dataclasses
 import json
 import sys
 
-CORRECTION_COPIES = {"ef": 1, "dc-asgd": 2, "nesterov": 1}  # fp32 copies of the sharded main weights
+from megatron_async.megatron_lm.save_space import CORRECTION_COPIES  # fp32 copies of the sharded main weights
 
 
 def _build_stage(config, args, layers: int, first: bool, last: bool):
@@ -212,13 +213,17 @@ def main(argv=None) -> int:
           f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
           f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
     _print_table(rows)
+    from megatron_async.megatron_lm.save_space import bytes_per_parameter
+
+    checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (save_space.py)
+    print(f"one checkpoint: about {checkpoint_gb:.1f} GB ({bytes_per_parameter(args)} bytes a parameter)")
     fits = fits_on_gpu(rows, ns.gpu_gb)
     print(f"every stage fits in {ns.gpu_gb:g} GB, during a save too" if fits
           else f"a stage exceeds {ns.gpu_gb:g} GB (in training or during a save)")
     if ns.json:
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump({"total_params": total, "active_params": active, "padded_vocab_size": args.padded_vocab_size,
-                       "gpu_gb": ns.gpu_gb, "fits": fits,
+                       "gpu_gb": ns.gpu_gb, "fits": fits, "checkpoint_gb": checkpoint_gb,
                        "stages": rows}, f, indent=1)
     return 0 if fits else 1
 

@@ -88,7 +88,10 @@ def _get_megatron_optimizer(original):
         if margs.save:  # before any checkpoint is loaded or saved (megatron_lm/save_lock.py)
             from megatron_async.megatron_lm.save_lock import take_on_every_rank
 
+            from megatron_async.megatron_lm.save_space import check_room
+
             take_on_every_rank(margs.save)
+            check_room(margs.save, model_chunks, margs)
         return runtime.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
 
     return hooked

@@ -1,0 +1,82 @@
+"""Room for a checkpoint in --save, checked before training.
+
+A full disk used to show only at the first save, after the training it was meant to
+keep, leaving a partial shard that a rerun trains past and fails on again. Before
+training, every rank compares the free space of --save's file system with the size
+of one checkpoint of this run: one replica of the parameters (data-parallel copies
+are saved once), each at `bytes_per_parameter` (the plan's checkpoint term,
+megatron_async/plan.py), and refuses, naming both numbers, when it does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from megatron_async.megatron_lm.side_state import CheckpointStateError
+
+CORRECTION_COPIES = {"ef": 1, "dc-asgd": 2, "nesterov": 1}  # fp32 copies of the main weights a correction saves
+
+
+class SaveSpaceError(CheckpointStateError):
+    """--save's file system has no room for one checkpoint of this run."""
+
+
+def bytes_per_parameter(args) -> int:
+    """What a checkpoint stores per parameter: the weights in their dtype, fp32 main
+    weights when the weights are not fp32, the optimizer's moments (Adam two, Muon's
+    momentum and SGD's one, fp32), the 2bw stash (one more copy of the weights; two
+    with weight prediction) and the delay correction's fp32 buffers."""
+    import torch
+
+    weight = torch.tensor([], dtype=args.params_dtype).element_size()
+    main = 4 if weight != 4 else 0
+    moments = 8 if args.optimizer == "adam" else 4
+    stash = 0
+    if args.pipeline_schedule == "2bw" or args.simulated_delay > 0:
+        stash = weight * (2 if args.delay_correction == "predict" else max(args.simulated_delay, 1))
+    return weight + main + moments + stash + 4 * CORRECTION_COPIES.get(args.delay_correction, 0)
+
+
+def replica_parameters(model_chunks) -> int:
+    """Parameters of one model replica, summed over every rank: dense ones counted on
+    data-parallel rank 0, experts on expert-data-parallel rank 0 (a collective over all
+    ranks, at start-up)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dense_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    expert_rank = parallel_state.get_expert_data_parallel_rank()
+    count = 0
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            is_expert = not getattr(param, "allreduce", True)
+            if (expert_rank if is_expert else dense_rank) == 0:
+                count += param.numel()
+    total = torch.tensor([count], dtype=torch.int64, device=torch.cuda.current_device())
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def free_bytes(save: str) -> int:
+    path = os.path.abspath(save)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_room(save: str, model_chunks, args) -> None:
+    """On every rank: refuse before training when one checkpoint does not fit in --save."""
+    import torch.distributed as dist
+
+    need = replica_parameters(model_chunks) * bytes_per_parameter(args)
+    free = free_bytes(save)
+    if dist.get_rank() == 0:
+        print(f"megatron-async: --save {save}: one checkpoint needs about {need / 2**20:.1f} MiB "
+              f"({bytes_per_parameter(args)} bytes a parameter); {free / 2**30:.2f} GiB free", flush=True)
+    if free < need:
+        raise SaveSpaceError(
+            f"megatron-async: --save {save} has {free / 2**30:.2f} GiB free, but one checkpoint of this run needs "
+            f"about {need / 2**30:.2f} GiB (weights, optimizer state and the 2bw stash); free space or choose "
+            "another --save")
