@@ -183,7 +183,7 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
         assert line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, out[-4000:]
     root_cause = out[out.index("Root Cause"):]
     assert int(re.search(r"rank\s*:\s*(\d+)", root_cause).group(1)) in ranks, root_cause
-    assert "cannot be loaded" in root_cause, root_cause
+    assert "cannot be loaded" in root_cause and re.search(r"exitcode\s*:\s*2\b", root_cause), root_cause
     assert " iteration        9/" not in out
     # negative control: the exit Megatron takes there used to end the job with 0
     monkeypatch.setenv("MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT", "1")
