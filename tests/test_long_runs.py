@@ -74,23 +74,57 @@ def _command(pid):
 
 # The console script runs the worker's main module from its bin/ file, not from
 # megatron_async.launch: the spawned Manager's watch must come from the package itself.
+# "patched script" stands for `python pretrain_gpt.py` in a Megatron-LM checkout with
+# patches/ applied: a training script at the checkout's root that never calls
+# megatron_async.launch (the patched megatron.training installs the hooks); on a
+# machine without CUDA it first sets up the CPU emulation and flags, as launch would.
 ENTRIES = {"module": ["-m", "megatron_async.launch"],
-           "console script": [str(Path(sys.executable).parent / "megatron-async-pretrain")]}
+           "console script": [str(Path(sys.executable).parent / "megatron-async-pretrain")],
+           "patched script": None}
+_PATCHED_SCRIPT = """
+import sys
+
+import megatron.training  # the patched package installs the hooks (and with them the launcher watch)
+
+if __name__ == "__main__":  # as pretrain_gpt.py: a spawned child re-imports this module
+    from megatron_async import cpu
+
+    if cpu.setup_device("auto") == "cpu":
+        from megatron_async.launch import with_cpu_flags
+
+        sys.argv = [sys.argv[0], *with_cpu_flags(sys.argv[1:])]
+    from megatron_async.megatron_lm import gpt, hooks
+
+    assert hooks._INSTALLED and megatron.training.__file__.startswith({root!r})
+    gpt.main()
+"""
+
+
+def _entry(name, tmp_path):
+    if ENTRIES[name] is not None:
+        return ENTRIES[name]
+    from test_patches import _patched_copy
+
+    root = _patched_copy(tmp_path)
+    script = root / "pretrain_gpt_stand_in.py"
+    script.write_text(_PATCHED_SCRIPT.format(root=str(root)))
+    return [str(script)]
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 @pytest.mark.parametrize("victim", ["launcher", "worker"])
 def test_no_process_outlives_a_killed_job(tmp_path, victim, entry):
     """SIGKILL of torchrun or of one worker, after a checkpoint save, for `-m
-    megatron_async.launch` and the `megatron-async-pretrain` console script: every
+    megatron_async.launch`, the `megatron-async-pretrain` console script and a training
+    script with the patched Megatron (ENTRIES): every
     process the job started (workers, the checkpoint writer's Manager, resource
     trackers, data-loader workers) is gone within 10 s."""
     progress = tmp_path / "progress.jsonl"
     args = MEGATRON_LOOP + ["--metrics-json", progress, "--save", tmp_path / "ckpt", "--save-interval", "2"]
-    if entry == "console script":
-        args = args[1:]  # the console script is `launch --gpt`
+    if entry != "module":
+        args = args[1:]  # the console script is `launch --gpt`; the script is a GPT script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           *ENTRIES[entry], *map(str, args)]
+           *_entry(entry, tmp_path), *map(str, args)]
     launcher = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     started = []
