@@ -57,71 +57,23 @@ def main(argv=None) -> int:
             cpu.write_exit_report()
 
 
-# torchrun names the failure with the earliest timestamp (whole seconds; a tie goes to
-# the lowest rank). A rank with the cause records its error and leaves only once that
-# second has passed, so every rank torchrun then stops, or that lost its connection to
-# it, fails later and is not named instead; one that lost a peer also waits a moment
-# before it fails, for the same reason.
-PEER_LOSS_GRACE_S = 2.5
-_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
-
-
 def _run_and_finish(script: str, rest: list[str]) -> int:
-    from megatron_async.megatron_lm.flags import FlagError
-    from megatron_async.megatron_lm.side_state import CheckpointStateError
-    from megatron_async.pipeline.non_finite import NonFiniteError
+    from megatron_async.megatron_lm import failures
 
-    rank = os.environ.get("RANK", "0")
     try:
         _run(script, rest)
-    except FlagError as err:
-        return _failed(f"megatron-async: error: {err}", 2)
-    except CheckpointStateError as err:
-        return _failed(f"{err} (rank {rank})", 2)
-    except NonFiniteError as err:
-        return _failed(f"megatron-async: rank {rank}: stopped: {err}", 3)
     except SystemExit:  # Megatron's own exits (--exit-interval, ...) end training cleanly
         _finish()
         raise
     except Exception as err:
-        import time
-
-        if any(text in str(err) for text in _PEER_LOSS):
-            print(f"megatron-async: rank {rank}: lost a peer rank ({type(err).__name__}); torchrun names the "
-                  "rank that failed first", file=sys.stderr, flush=True)
-            time.sleep(PEER_LOSS_GRACE_S)
-        else:
-            _record_error(f"rank {rank}: {type(err).__name__}: {err}")
-        raise
+        ours = failures.our_line(err)
+        if ours is None:
+            failures.other_failure(err)
+            raise
+        failures.report(ours[0])
+        return ours[1]
     _finish()
     return 0
-
-
-def _failed(line: str, code: int) -> int:
-    """Our one line, last on this rank's stderr and in torchrun's failure summary."""
-    print(line, file=sys.stderr, flush=True)
-    _record_error(line)
-    return code
-
-
-def _record_error(message: str) -> None:
-    """Write torchrun's per-worker error file (TORCHELASTIC_ERROR_FILE), which its
-    summary quotes as this rank's failure with the second it happened; then let that
-    second pass (see PEER_LOSS_GRACE_S)."""
-    import json
-    import time
-
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time()
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(now))}}}
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-    except OSError:
-        return
-    time.sleep(int(now) + 1 - now + 0.05)
 
 
 def _run(script: str, rest: list[str]) -> None:

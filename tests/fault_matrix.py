@@ -16,7 +16,8 @@ FAULTS = [
      "exit 2 before training, in iterations, naming `--override-opt_param-scheduler` and "
      "`--use-checkpoint-opt_param-scheduler`",
      ["tests/test_checkpoint_guard.py::test_a_longer_run_on_resume_names_the_scheduler_flags"]),
-    ("`kill -9` of torchrun or of one worker, started with `-m megatron_async.launch` or `megatron-async-pretrain`",
+    ("`kill -9` of torchrun or of one worker, started with `-m megatron_async.launch`, `megatron-async-pretrain` "
+     "or a training script with the patched Megatron",
      "every process the job started (workers, the checkpoint writer's Manager, resource trackers) is gone "
      "within 10 s",
      ["tests/test_long_runs.py::test_no_process_outlives_a_killed_job"]),
@@ -31,6 +32,9 @@ FAULTS = [
     ("no room for one checkpoint in `--save`",
      "exit 2 before training on every rank, naming the free space and what one checkpoint needs",
      ["tests/test_save_space.py::test_a_save_without_room_is_refused_before_training"]),
+    ("a refusal in a training script with the patched Megatron (no launcher of ours)",
+     "our one line, last on stderr, and exit 2, not a traceback",
+     ["tests/test_patches.py::test_a_refusal_in_a_patched_script_is_our_one_line_and_exit_code"]),
     ("`--save` without `--save-interval`",
      "exit 2 before training, naming both flags",
      ["tests/test_refusals.py::test_refused_before_training_naming_the_flag"]),

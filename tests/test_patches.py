@@ -51,3 +51,30 @@ def test_unpatched_megatron_has_no_hooks(tmp_path):
              "assert not hooks._INSTALLED\n")
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_refusal_in_a_patched_script_is_our_one_line_and_exit_code(tmp_path):
+    """A training script with the patched Megatron has no launcher of ours to catch a
+    refusal: the hooks' excepthook prints our one line (no traceback) and exits 2.
+    Negative control: the same script with Python's own excepthook gives a traceback
+    and exit 1."""
+    from test_long_runs import _PATCHED_SCRIPT
+
+    root = _patched_copy(tmp_path)
+    script = root / "pretrain_gpt_stand_in.py"
+    script.write_text(_PATCHED_SCRIPT.format(root=str(root)))
+    plain = root / "plain_excepthook.py"
+    plain.write_text("import sys, runpy\nimport megatron.training\nsys.excepthook = sys.__excepthook__\n"
+                     f"sys.argv = sys.argv[1:]\nrunpy.run_path({str(script)!r}, run_name='__main__')\n")
+    args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data",
+            "--vocab-size", "256", "--train-iters", "2", "--lr", "1e-4", "--eval-interval", "100",
+            "--pipeline-schedule", "zigzag"]
+    ours = subprocess.run([sys.executable, str(script), *args], cwd=root, capture_output=True, text=True, timeout=300)
+    assert ours.returncode == 2, ours.stderr[-3000:]
+    last = ours.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron-async: error: --pipeline-schedule 'zigzag'"), ours.stderr[-3000:]
+    assert "Traceback" not in ours.stderr
+    control = subprocess.run([sys.executable, str(plain), str(script), *args], cwd=root, capture_output=True,
+                             text=True, timeout=300)
+    assert control.returncode == 1 and "Traceback" in control.stderr, control.stderr[-3000:]

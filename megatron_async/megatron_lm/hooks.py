@@ -462,5 +462,7 @@ def install() -> None:
         _INSTALLED[(hook.module, hook.name)] = original
         setattr(module, hook.name, hook.wrap(original))
     from megatron_async.launcher_watch import exit_with_launcher
+    from megatron_async.megatron_lm.failures import install_excepthook
 
     exit_with_launcher()  # every entry installs the hooks: launch, the console scripts, a patched script
+    install_excepthook()  # our one line for a refusal where no launcher of ours catches it

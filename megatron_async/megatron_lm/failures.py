@@ -1,0 +1,94 @@
+"""How a rank reports a failure: one line of ours, an exit code, and torchrun's error file.
+
+torchrun names the failure with the earliest timestamp (whole seconds; a tie goes to
+the lowest rank). A rank with the cause records its error and leaves only once that
+second has passed, so every rank torchrun then stops, or that lost its connection to
+it, fails later and is not named instead; one that lost a peer also waits a moment
+before it fails, for the same reason.
+
+Used by the launcher (megatron_async.launch) and, for entries without it (a training
+script with the patched Megatron), by the `sys.excepthook` the hooks install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+PEER_LOSS_GRACE_S = 2.5
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def our_line(err: BaseException) -> Optional[tuple[str, int]]:
+    """(our one line, the exit code) for a refusal or stop of ours, else None."""
+    from megatron_async.megatron_lm.flags import FlagError
+    from megatron_async.megatron_lm.side_state import CheckpointStateError
+    from megatron_async.pipeline.non_finite import NonFiniteError
+
+    rank = os.environ.get("RANK", "0")
+    if isinstance(err, FlagError):
+        return f"megatron-async: error: {err}", 2
+    if isinstance(err, CheckpointStateError):
+        return f"{err} (rank {rank})", 2
+    if isinstance(err, NonFiniteError):
+        return f"megatron-async: rank {rank}: stopped: {err}", 3
+    return None
+
+
+def report(line: str) -> None:
+    """Our one line, last on this rank's stderr and in torchrun's failure summary."""
+    print(line, file=sys.stderr, flush=True)
+    record_error(line)
+
+
+def other_failure(err: BaseException) -> None:
+    """Any other exception: a lost peer waits (the rank with the cause is named first);
+    anything else is recorded as this rank's failure."""
+    rank = os.environ.get("RANK", "0")
+    if any(text in str(err) for text in _PEER_LOSS):
+        print(f"megatron-async: rank {rank}: lost a peer rank ({type(err).__name__}); torchrun names the rank "
+              "that failed first", file=sys.stderr, flush=True)
+        time.sleep(PEER_LOSS_GRACE_S)
+    else:
+        record_error(f"rank {rank}: {type(err).__name__}: {err}")
+
+
+def record_error(message: str) -> None:
+    """Write torchrun's per-worker error file (TORCHELASTIC_ERROR_FILE), which its
+    summary quotes as this rank's failure with the second it happened; then let that
+    second pass."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(now))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        return
+    time.sleep(int(now) + 1 - now + 0.05)
+
+
+def install_excepthook() -> None:
+    """For entries without our launcher: an uncaught refusal or stop of ours ends the
+    process with our one line and its exit code instead of a traceback."""
+    previous = sys.excepthook
+    if getattr(previous, "megatron_async", False):
+        return
+
+    def hook(kind, err, tb):
+        ours = our_line(err)
+        if ours is None:
+            other_failure(err)
+            previous(kind, err, tb)
+            return
+        report(ours[0])
+        sys.stdout.flush()
+        os._exit(ours[1])  # process groups may hold threads that would block a normal exit
+
+    hook.megatron_async = True
+    sys.excepthook = hook
