@@ -85,17 +85,21 @@ def test_2bw_equals_its_twin_with_the_distributed_optimizer_at_dp2(tmp_path):
     _assert_same(two_bw, twin)
 
 
-def _audit(tmp_path, nproc, extra, inject=False):
+def _audit(tmp_path, nproc, extra, inject=False, with_async=False, old_exit_checks=False):
     directory = tmp_path / "audit"
-    env = {"MEGATRON_ASYNC_AUDIT_DIR": str(directory), "MEGATRON_ASYNC_AUDIT_INJECT": "1" if inject else "0"}
+    env = {"MEGATRON_ASYNC_AUDIT_DIR": str(directory), "MEGATRON_ASYNC_AUDIT_INJECT": "1" if inject else "0",
+           "MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT": "1" if old_exit_checks else "0"}
     proc, _ = _run(tmp_path, "audit", nproc, extra, module="megatron_async.testing.collective_audit", env=env)
     assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(nproc)]
     stage = {r["rank"]: r["stage"] for r in ranks}
     assert all(r["steps"] == ITERS for r in ranks), [r["steps"] for r in ranks]
-    crossing = [(r["rank"], name, group) for r in ranks for name, group in r["records"]
+    crossing = [(r["rank"], name, group, *timing) for r in ranks for name, group, *timing in r["records"]
                 if len({stage[g] for g in group}) > 1]
-    return crossing, sum(len(r["records"]) for r in ranks)
+    blocking = [c for c in crossing if len(c) == 3]
+    if with_async:
+        return blocking, [c for c in crossing if len(c) == 4], sum(len(r["records"]) for r in ranks)
+    return blocking, sum(len(r["records"]) for r in ranks)
 
 
 AUDITED = {
@@ -121,10 +125,31 @@ def test_no_collective_spans_two_stages_in_steady_state(tmp_path, case):
         assert total > 0, "data-parallel runs must record their in-stage collectives"
 
 
+def test_the_stop_agreement_spans_stages_only_without_blocking(tmp_path):
+    """--exit-signal-handler and --exit-duration-in-mins under 2bw: the only collectives
+    across stages are the stop agreement's non-blocking all-reduces, each waited
+    LAG iterations after it was posted (pipeline/stop_agreement.py), when every rank
+    has long posted it."""
+    from megatron_async.pipeline.stop_agreement import LAG
+
+    blocking, non_blocking, _ = _audit(tmp_path, 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                                      "2bw", "--exit-signal-handler", "--exit-duration-in-mins",
+                                                      "600"], with_async=True)
+    assert not blocking, blocking[:10]
+    assert non_blocking and all(name == "all_reduce" for _rank, name, _group, _timing in non_blocking)
+    waited = [t for *_rest, t in non_blocking if t["waited"] is not None]
+    assert waited and all(t["waited"] - t["posted"] >= LAG for t in waited), non_blocking[:10]
+
+
 def test_audit_catches_an_injected_cross_stage_all_reduce(tmp_path):
     crossing, _ = _audit(tmp_path, 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"],
                          inject=True)
     assert any(name == "all_reduce" and len(group) == 2 for _rank, name, group in crossing), crossing
+    # and Megatron's own per-iteration exit checks, which 2bw replaces with the agreement
+    blocking, _, _ = _audit(tmp_path / "megatron", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                                       "2bw", "--exit-signal-handler", "--exit-duration-in-mins",
+                                                       "600"], with_async=True, old_exit_checks=True)
+    assert {name for _rank, name, _group in blocking} >= {"all_gather", "all_reduce"}, blocking[:10]
 
 
 def test_a_refused_flag_stops_every_rank_before_training(tmp_path):

@@ -58,6 +58,7 @@ else
 fi
 OUTPUT_ARGS=(
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000
+  --exit-signal-handler   # SIGTERM (the sbatch's --signal, scancel --signal): every rank stops and saves at one iteration
   --log-interval 10 --eval-interval 1000 --eval-iters 20
   --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-json "$RUN_DIR/metrics.jsonl"
 )

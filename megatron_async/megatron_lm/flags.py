@@ -79,10 +79,6 @@ def _require(condition: bool, message: str) -> None:
 REFUSED_UNDER_2BW = (
     ("rerun_mode", lambda v: v != "disabled", "--rerun-mode",
      "needs --rerun-mode disabled: the rerun state machine all-reduces over all ranks every iteration"),
-    ("exit_duration_in_mins", lambda v: v is not None, "--exit-duration-in-mins",
-     "all-reduces the elapsed time over all ranks every iteration; use --exit-interval"),
-    ("exit_signal_handler", bool, "--exit-signal-handler",
-     "gathers received signals over all ranks every iteration"),
     ("log_params_norm", bool, "--log-params-norm", "all-reduces the parameter norm across stages every iteration"),
     ("log_straggler", bool, "--log-straggler", "gathers timings over all ranks"),
     ("timing_log_level", lambda v: (v or 0) >= 1, "--timing-log-level",

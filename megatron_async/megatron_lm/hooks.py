@@ -92,6 +92,7 @@ def _get_megatron_optimizer(original):
 
             take_on_every_rank(margs.save)
             check_room(margs.save, model_chunks, margs)
+        runtime.start_stop_agreement(margs)
         return runtime.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
 
     return hooked
@@ -246,6 +247,46 @@ def _load_checkpoint(original):
                         "code 0; nothing was trained") from None
                 raise
             raise CheckpointStateError(f"megatron-async: {load_failure(root, iteration, err)}") from err
+
+    return hooked
+
+
+def _checkpoint_and_decide_exit(original):
+    """Under 2bw, --exit-signal-handler and --exit-duration-in-mins stop every rank at one
+    iteration agreed through pipeline/stop_agreement.py, not Megatron's blocking gather
+    over all ranks each iteration; Megatron's own saves and --exit-interval are unchanged."""
+
+    @functools.wraps(original)
+    def hooked(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
+        from megatron.training import get_args
+
+        agreement = runtime.STATE.stop
+        margs = get_args()
+        if agreement is None:
+            return original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs)
+        own = margs.exit_signal_handler, margs.exit_duration_in_mins
+        margs.exit_signal_handler, margs.exit_duration_in_mins = False, None
+        try:
+            if original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
+                agreement.settle()
+                return True
+        finally:
+            margs.exit_signal_handler, margs.exit_duration_in_mins = own
+        code, posted = agreement.after_iteration(iteration, runtime.local_stop_code(margs))
+        if not code:
+            return False
+        from megatron.training import training
+        from megatron_async.pipeline.stop_agreement import REASONS
+
+        agreement.settle()
+        if margs.save and not (margs.save_interval and iteration % margs.save_interval == 0):
+            flops, checkpointing_context, train_data_iterator = rest[:3]
+            training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, flops,
+                                              checkpointing_context, train_data_iterator=train_data_iterator)
+        if torch.distributed.get_rank() == 0:
+            print(f"megatron-async: stopping after iteration {iteration}, agreed by every rank: {REASONS[code]} "
+                  f"(seen after iteration {posted})", flush=True)
+        return True
 
     return hooked
 
@@ -416,6 +457,7 @@ HOOKS = (
          "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
     Hook(T, "train", "training.py:1423 pretrain", _train),
     Hook(T, "train_step", "training.py:3856 train", _train_step),
+    Hook(T, "checkpoint_and_decide_exit", "training.py:4079 train", _checkpoint_and_decide_exit),
     Hook(T, "training_log", "training.py:3985 train", _training_log),
     Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results),
     Hook(T, "evaluate", "training.py:4402 evaluate_and_print_results", _evaluate),

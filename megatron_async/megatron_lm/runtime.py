@@ -29,7 +29,7 @@ from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 STASH_KEY = "weight_stash"
 STALE_NORM_KEY = "stale_global_norm"
 STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None, stale_norm=None,
-                        optimizer=None, resumed={})
+                        optimizer=None, resumed={}, stop=None)
 
 
 class DelayedStepOptimizer:
@@ -134,6 +134,34 @@ def wrap_optimizer(model, optimizer):
     STATE.optimizer = optimizer
     return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)) and in_optimizer,
                                 load_stale_norm=bool(resumed.get(STALE_NORM_KEY)) and in_optimizer)
+
+
+def start_stop_agreement(args) -> None:
+    """Under 2bw with --exit-signal-handler or --exit-duration-in-mins: the group every
+    rank agrees on its stop iteration over (pipeline/stop_agreement.py), made before
+    training, where every rank is."""
+    if args.pipeline_schedule != "2bw" or not (args.exit_signal_handler or args.exit_duration_in_mins):
+        return
+    from megatron_async.pipeline.stop_agreement import StopAgreement
+
+    group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
+    STATE.stop = StopAgreement(group, torch.cuda.current_device())
+
+
+def local_stop_code(args) -> int:
+    """This rank's own reason to stop: a signal Megatron's handler caught here, or its clock."""
+    import time
+
+    from megatron.training import training
+    from megatron.training.global_vars import get_signal_handler
+
+    from megatron_async.pipeline.stop_agreement import DURATION, GO_ON, SIGNAL
+
+    if args.exit_signal_handler and getattr(get_signal_handler(), "_signal_received", False):
+        return SIGNAL
+    if args.exit_duration_in_mins and (time.time() - training._TRAIN_START_TIME) / 60.0 > args.exit_duration_in_mins:
+        return DURATION
+    return GO_ON
 
 
 def start_from_checkpoint(args) -> None:

@@ -4,14 +4,18 @@
 
 Runs `megatron_async.launch` with every torch.distributed collective wrapped. From
 the start of the second training iteration until Megatron's train() returns,
-each call is recorded as (name, global ranks of its group); when train() ends each
+each call is recorded as (name, global ranks of its group), a non-blocking one
+(async_op=True) with the iterations it was posted and waited in; when train() ends each
 rank writes DIR/rank<R>.json with its pipeline stage and the records. A test then
-checks that no group holds ranks of two pipeline stages (the claim that 2bw's
-steady state has no cross-stage collective). Point-to-point sends and receives
+checks that no blocking collective's group holds ranks of two pipeline stages (the
+claim that 2bw's steady state has no cross-stage collective it waits for), and that a
+non-blocking one that does is waited iterations after it was posted. Point-to-point sends and receives
 are not collectives and are not recorded.
 
 MEGATRON_ASYNC_AUDIT_INJECT=1 adds one world all-reduce per iteration: the
 negative control that shows the audit catches a cross-stage collective.
+MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT=1 leaves Megatron's checkpoint_and_decide_exit
+unhooked, so its own per-iteration exit checks run (another negative control).
 """
 
 from __future__ import annotations
@@ -40,14 +44,34 @@ def _group_ranks(args, kwargs) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
+class _AuditedWork:
+    """A non-blocking collective's work object that records the iteration it is waited in."""
+
+    def __init__(self, work, timing: dict):
+        self._work, self._timing = work, timing
+
+    def wait(self, *args, **kwargs):
+        self._timing["waited"] = _STATE["steps"]
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def _wrap_collective(name: str, original):
     @functools.wraps(original)
     def recorded(*args, **kwargs):
         if _STATE["recording"]:
             _STATE["recording"] = False  # a collective built from others is recorded once
             try:
-                _STATE["records"].append((name, _group_ranks(args, kwargs)))
-                return original(*args, **kwargs)
+                if not kwargs.get("async_op"):
+                    _STATE["records"].append((name, _group_ranks(args, kwargs)))
+                    return original(*args, **kwargs)
+                # (name, group, {posted, waited}): posted in one iteration, waited in a later one
+                timing = {"posted": _STATE["steps"], "waited": None}
+                _STATE["records"].append((name, _group_ranks(args, kwargs), timing))
+                work = original(*args, **kwargs)
+                return _AuditedWork(work, timing) if work is not None else work
             finally:
                 _STATE["recording"] = True
         return original(*args, **kwargs)
@@ -110,6 +134,13 @@ def main() -> int:
     from megatron_async import launch
     from megatron_async.megatron_lm.hooks import install as install_plugin
 
+    if os.environ.get("MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT") == "1":  # Megatron's own exit checks, unhooked
+        import dataclasses
+
+        from megatron_async.megatron_lm import hooks
+
+        hooks.HOOKS = tuple(dataclasses.replace(h, wrap=lambda original: original)
+                            if h.name == "checkpoint_and_decide_exit" else h for h in hooks.HOOKS)
     install_plugin()  # the plugin's hooks first, so the audit wraps what Megatron calls
     install(os.environ["MEGATRON_ASYNC_AUDIT_DIR"])
     return launch.main(sys.argv[1:])

@@ -13,6 +13,9 @@ environment:
 - MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT=1: Megatron's bare `sys.exit()` on its load path
   passed through as it used to (exit code 0; tests/test_checkpoint_guard.py's negative
   control);
+- MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S=S: Megatron's training clock (`_TRAIN_START_TIME`)
+  started S seconds earlier, so that `--exit-duration-in-mins 1` runs out S seconds
+  sooner (tests/test_stop_agreement.py);
 - MEGATRON_ASYNC_TEST_QUICK_SNIFF=1: Megatron's `--gpu-sniff-test-interval` check with
   its GEMM and bandwidth benchmarks (80 s on the CPU) replaced by one all-reduce over
   all ranks and a device synchronisation, keeping what matters to the pipeline:
@@ -109,6 +112,10 @@ if __name__ == "__main__":
         _old_stash_start()
     if os.environ.get("MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT") == "1":
         _old_load_exit()
+    if os.environ.get("MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S"):
+        from megatron.training import training
+
+        training._TRAIN_START_TIME -= float(os.environ["MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S"])
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
         from megatron.training import gpu_sniff_test
 

@@ -1,0 +1,51 @@
+"""One stop iteration for every rank, agreed without a blocking collective across stages.
+
+Megatron decides `--exit-signal-handler` and `--exit-duration-in-mins` with a blocking
+gather (all-reduce) over every rank each iteration. Under 2bw the stages are up to one
+step apart, so that collective would make each stage wait for the slowest every
+iteration. Instead, after iteration i every rank posts a non-blocking MAX all-reduce
+of its own stop code (0: go on; 1: a signal arrived here; 2: the duration is up) on a
+process group of its own, and reads the one it posted LAG iterations earlier. Every
+rank has long posted that one (no stage is more than one step behind another), so the
+read does not wait, and every rank reads the same value after the same iteration:
+they all stop at one iteration boundary, LAG iterations after the first rank saw the
+signal or the clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+LAG = 2  # iterations between posting a stop code and reading the agreed one
+GO_ON, SIGNAL, DURATION = 0, 1, 2
+REASONS = {SIGNAL: "a signal arrived (--exit-signal-handler)", DURATION: "--exit-duration-in-mins is up"}
+
+
+class StopAgreement:
+    """The agreement's group and the codes posted and not yet read."""
+
+    def __init__(self, group, device, lag: int = LAG):
+        self.group, self.device, self.lag = group, device, lag
+        self._pending: deque = deque()  # (iteration, work, tensor)
+
+    def after_iteration(self, iteration: int, code: int) -> tuple[int, int]:
+        """Post this rank's code for `iteration`; returns (agreed code, the iteration it
+        was posted at) for the code posted `lag` iterations ago, or (GO_ON, -1)."""
+        tensor = torch.tensor([code], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending.append((iteration, work, tensor))
+        if len(self._pending) <= self.lag:
+            return GO_ON, -1
+        posted, work, tensor = self._pending.popleft()
+        work.wait()
+        return int(tensor.item()), posted
+
+    def settle(self) -> None:
+        """Wait for the codes still posted (all ranks stop at the same iteration, so each
+        has posted the same ones): no collective is left unmatched at exit."""
+        while self._pending:
+            _posted, work, _tensor = self._pending.popleft()
+            work.wait()

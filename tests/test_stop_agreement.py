@@ -1,0 +1,108 @@
+"""--exit-signal-handler and --exit-duration-in-mins under 2bw (pipeline/stop_agreement.py).
+
+A 2bw PP=2 job (real torchrun, dropout 0.1) is stopped mid-training, by SIGTERM to the
+last stage's worker only, or by its duration running out (`--exit-duration-in-mins 1`
+with Megatron's clock started 50 s early). Every rank stops after the
+same iteration, agreed LAG iterations after the first rank saw the reason, saves
+there and exits 0. Resumed from that checkpoint, its per-iteration losses equal an
+uninterrupted run's bit for bit. Both runs use one --train-iters (so one learning-rate
+schedule) and stop with --exit-interval. That the agreement waits on nothing across
+stages is tests/test_megatron_loop.py's collective audit.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_megatron_loop import CPU, MODEL, RESUME, TRAIN
+
+from megatron_async.pipeline.stop_agreement import LAG
+
+
+
+def _flags(tmp_path, name, extra):
+    train = list(TRAIN)
+    train[train.index("--train-iters") + 1] = "100000"
+    model = [a for a in MODEL if a not in ("--hidden-dropout", "--attention-dropout", "0")]
+    return ["--gpt", *CPU, *model, *train, *RESUME, "--pipeline-model-parallel-size", "2",
+            "--pipeline-schedule", "2bw", "--lr-decay-style", "constant",
+            "--metrics-json", str(tmp_path / f"{name}.jsonl"), *map(str, extra)]
+
+
+def _torchrun(argv, log, clock_ahead_s=None):
+    """torchrun of the launcher; with `clock_ahead_s`, through the test entry whose
+    Megatron training clock started that much earlier (--exit-duration-in-mins counts
+    whole minutes)."""
+    module = "megatron_async.launch" if clock_ahead_s is None else "megatron_async.testing.step_end_entry"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", module, *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if clock_ahead_s is not None:
+        env["MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S"] = str(clock_ahead_s)
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _losses(path) -> dict:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
+
+
+def _worker(launcher_pid: int, rank: int) -> int:
+    for child in os.popen(f"pgrep -P {launcher_pid}").read().split():
+        with open(f"/proc/{child}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(child)
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def _finish(proc, log, timeout_s=300):
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, log.read_text()
+
+
+@pytest.mark.parametrize("reason", ["signal", "duration"])
+def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_path, reason):
+    ckpt = tmp_path / "ckpt"
+    extra = ["--save", ckpt, "--save-interval", 100000]
+    extra += ["--exit-signal-handler"] if reason == "signal" else ["--exit-duration-in-mins", 1]
+    log = tmp_path / "stopped.log"
+    proc = _torchrun(_flags(tmp_path, "stopped", extra), log, clock_ahead_s=None if reason == "signal" else 50)
+    try:
+        if reason == "signal":
+            deadline = time.monotonic() + 180
+            while len(_losses(tmp_path / "stopped.jsonl")) < 3 if (tmp_path / "stopped.jsonl").exists() else True:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no third iteration within 180 s"
+                time.sleep(0.2)
+            os.kill(_worker(proc.pid, 1), signal.SIGTERM)  # the last stage only; the first learns it by agreement
+        code, out = _finish(proc, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, out[-4000:]
+    stop = int(re.search(r"stopping after iteration (\d+), agreed by every rank", out).group(1))
+    seen = int(re.search(r"\(seen after iteration (\d+)\)", out).group(1))
+    assert stop - seen == LAG
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stop)
+    stopped = _losses(tmp_path / "stopped.jsonl")
+    assert max(stopped) == stop  # no rank trained past the agreed iteration
+    end = stop + 4
+    code, out = _finish(_torchrun(_flags(tmp_path, "resumed", ["--load", ckpt, "--exit-interval", end]),
+                                  tmp_path / "resumed.log"), tmp_path / "resumed.log")
+    assert code == 0, out[-4000:]
+    code, out = _finish(_torchrun(_flags(tmp_path, "whole", ["--exit-interval", end]), tmp_path / "whole.log"),
+                        tmp_path / "whole.log")
+    assert code == 0, out[-4000:]
+    resumed, whole = _losses(tmp_path / "resumed.jsonl"), _losses(tmp_path / "whole.jsonl")
+    assert sorted(resumed) == list(range(stop + 1, end + 1))
+    assert {i: whole[i] for i in resumed} == resumed  # bit for bit
+    assert {i: whole[i] for i in stopped} == stopped
