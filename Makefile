@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= 2
 GPU_PYTHON ?= python3
 GPU_REPORT ?= out/gpu
 
-.PHONY: setup test test-gpu demo bench clean
+.PHONY: setup test test-gpu test-cluster demo bench clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,11 @@ $(STAMP): setup.py constraints.txt
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu --ignore=tests/cluster $(PYTEST_ARGS)
+
+# A real two-node Slurm on this machine (root; Debian's slurm-wlm, munge, iproute2): fails, saying why, without them.
+test-cluster: setup
+	$(PY) -m pytest -q tests/cluster $(PYTEST_ARGS)
 
 # Skips every test, saying so, where there is no CUDA GPU (tests/gpu/conftest.py).
 test-gpu:

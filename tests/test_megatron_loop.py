@@ -321,8 +321,13 @@ def test_stale_global_clipping_is_the_one_cross_stage_reduction(tmp_path):
     device, gloo here), one per optimizer step and norm group; and it clips otherwise
     than stage-local clipping (clip 0.05 acts at every step)."""
     common = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--clip-grad", "0.05"]
-    crossing, _ = _audit(tmp_path, 2, common + ["--clip-grad-mode", "stale-global"])
-    assert crossing and {(name, tuple(group)) for _rank, name, group in crossing} == {("all_reduce", (0, 1))}
+    blocking, non_blocking, _ = _audit(tmp_path, 2, common + ["--clip-grad-mode", "stale-global"], with_async=True)
+    assert not blocking, blocking[:10]
+    assert {(name, tuple(group)) for _rank, name, group, _timing in non_blocking} == {("all_reduce", (0, 1))}
+    waited = [t for *_rest, t in non_blocking if t["waited"] is not None]
+    # read a step later; the last step's, at the end of training, where every rank has stopped
+    late = [t for t in waited if t["waited"] <= t["posted"] and t["posted"] < ITERS]
+    assert waited and not late, late
     stale = _logged_losses(tmp_path / "audit.jsonl")
     local = _losses(tmp_path, "local", 2, common)
     # iterations 1-3 run at W0, W0, W1, and step 0 (W0 -> W1) has no older global norm: equal;

@@ -20,12 +20,15 @@ source "$CONFIG"
 read -ra EXTRA <<< "${EXTRA_ARGS:-}"
 
 first_host() {  # the first host of a Slurm node list: gpu[003-004,009] -> gpu003
-  if command -v scontrol > /dev/null 2>&1; then
-    scontrol show hostnames "$1" | head -n 1
-  else
-    local prefix=${1%%[*} rest=${1#*[}
-    if [[ "$1" == *"["* ]]; then echo "$prefix${rest%%[-,]*}"; else echo "${1%%,*}"; fi
+  local host=""
+  if command -v scontrol > /dev/null 2>&1; then  # without a reachable Slurm config it prints nothing
+    host=$(scontrol show hostnames "$1" 2> /dev/null | head -n 1) || host=""
   fi
+  if [[ -z "$host" ]]; then
+    local prefix=${1%%[*} rest=${1#*[}
+    if [[ "$1" == *"["* ]]; then host="$prefix${rest%%[-,]*}"; else host="${1%%,*}"; fi
+  fi
+  echo "$host"
 }
 
 export MASTER_ADDR=${MASTER_ADDR:-$(first_host "$SLURM_JOB_NODELIST")}
@@ -50,4 +53,5 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   echo
   exec "$PYTHON" -m megatron_async.check_flags --world-size "$WORLD_SIZE" -- "${TRAIN_ARGS[@]}" "${EXTRA[@]}"
 fi
+echo "rank $RANK of $WORLD_SIZE on $(hostname) (job ${SLURM_JOB_ID:-?}, restart ${SLURM_RESTART_COUNT:-0})"
 exec "${CMD[@]}"

@@ -286,6 +286,7 @@ def _checkpoint_and_decide_exit(original):
         if torch.distributed.get_rank() == 0:
             print(f"megatron-async: stopping after iteration {iteration}, agreed by every rank: {REASONS[code]} "
                   f"(seen after iteration {posted})", flush=True)
+            runtime.note_early_stop(iteration, REASONS[code], bool(margs.save))
         return True
 
     return hooked

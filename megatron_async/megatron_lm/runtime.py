@@ -148,6 +148,18 @@ def start_stop_agreement(args) -> None:
     STATE.stop = StopAgreement(group, torch.cuda.current_device())
 
 
+def note_early_stop(iteration: int, reason: str, saved: bool) -> None:
+    """Rank 0, after an agreed early stop: tell the job script (MEGATRON_ASYNC_STOP_FILE,
+    set by examples/slurm/pretrain_2bw.sbatch, which then requeues the job)."""
+    import json
+    import os
+
+    path = os.environ.get("MEGATRON_ASYNC_STOP_FILE")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"iteration": iteration, "reason": reason, "saved": saved}, f)
+
+
 def local_stop_code(args) -> int:
     """This rank's own reason to stop: a signal Megatron's handler caught here, or its clock."""
     import time
