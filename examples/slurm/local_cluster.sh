@@ -27,6 +27,8 @@ write_conf() {
 ClusterName=megatron-async-local
 SlurmctldHost=$(hostname -s)($SUBNET.1)
 AuthType=auth/munge
+# job credentials live 10 s (default 120): also how long a requeued job waits before it starts again
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
@@ -64,6 +66,7 @@ start_munge() {
   fi
   if ! pgrep -x munged > /dev/null; then
     runuser -u munge -- /usr/sbin/munged --force
+    touch "$BASE/munged.ours"  # started here, so stopped here too
   fi
 }
 
@@ -138,6 +141,10 @@ stop() {
     rm -rf "/etc/netns/mas-$node"
   done
   ip link del "$BRIDGE" 2>/dev/null || true
+  if [[ -f "$BASE/munged.ours" ]]; then
+    pkill -x munged 2>/dev/null || true
+    rm -f "$BASE/munged.ours"
+  fi
   rm -rf "$BASE/state" "$BASE/run"
   echo "local_cluster: stopped"
 }
