@@ -21,6 +21,7 @@ import pytest
 from test_long_runs import MEGATRON_LOOP
 
 from megatron_async.megatron_lm.save_lock import LOCK_NAME
+from megatron_async.testing.launch import finish_job
 
 
 def _job(tmp_path, name, save, iters, extra=()):
@@ -45,13 +46,7 @@ def _wait_for(predicate, proc, what, timeout_s=180):
 
 
 def _finish(proc, timeout_s=180):
-    try:
-        proc.wait(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, proc.log.read_text()
+    return finish_job(proc, proc.log, timeout_s)
 
 
 def _latest(save):

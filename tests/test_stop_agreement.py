@@ -22,6 +22,7 @@ import pytest
 from test_megatron_loop import CPU, MODEL, RESUME, TRAIN
 
 from megatron_async.pipeline.stop_agreement import LAG
+from megatron_async.testing.launch import finish_job
 
 
 
@@ -59,16 +60,6 @@ def _worker(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
-def _finish(proc, log, timeout_s=300):
-    try:
-        proc.wait(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, log.read_text()
-
-
 @pytest.mark.parametrize("reason", ["signal", "duration"])
 def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_path, reason):
     ckpt = tmp_path / "ckpt"
@@ -84,7 +75,7 @@ def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_pa
                 assert time.monotonic() < deadline, "no third iteration within 180 s"
                 time.sleep(0.2)
             os.kill(_worker(proc.pid, 1), signal.SIGTERM)  # the last stage only; the first learns it by agreement
-        code, out = _finish(proc, log)
+        code, out = finish_job(proc, log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -96,10 +87,10 @@ def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_pa
     stopped = _losses(tmp_path / "stopped.jsonl")
     assert max(stopped) == stop  # no rank trained past the agreed iteration
     end = stop + 4
-    code, out = _finish(_torchrun(_flags(tmp_path, "resumed", ["--load", ckpt, "--exit-interval", end]),
+    code, out = finish_job(_torchrun(_flags(tmp_path, "resumed", ["--load", ckpt, "--exit-interval", end]),
                                   tmp_path / "resumed.log"), tmp_path / "resumed.log")
     assert code == 0, out[-4000:]
-    code, out = _finish(_torchrun(_flags(tmp_path, "whole", ["--exit-interval", end]), tmp_path / "whole.log"),
+    code, out = finish_job(_torchrun(_flags(tmp_path, "whole", ["--exit-interval", end]), tmp_path / "whole.log"),
                         tmp_path / "whole.log")
     assert code == 0, out[-4000:]
     resumed, whole = _losses(tmp_path / "resumed.jsonl"), _losses(tmp_path / "whole.jsonl")

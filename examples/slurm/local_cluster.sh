@@ -6,6 +6,8 @@
 #                                           # namespace with its own address and host name, running slurmd
 #   export SLURM_CONF=/tmp/megatron-async-slurm/slurm.conf   # then sbatch, squeue, scontrol as usual
 #   examples/slurm/local_cluster.sh stop    # stops everything it started and removes the namespaces
+#   examples/slurm/local_cluster.sh kill-node node2    # a node lost: its slurmd and every process on it, kill -9
+#   examples/slurm/local_cluster.sh start-node node2   # the node back (its slurmd again)
 #
 # BASE (default /tmp/megatron-async-slurm) holds the configuration, state, spool and logs.
 set -euo pipefail
@@ -47,6 +49,7 @@ SlurmdLogFile=$BASE/log/slurmd.%n.log
 SlurmctldPort=6817
 SlurmdPort=6818
 ReturnToService=2
+SlurmdTimeout=10
 JobRequeue=1
 KillWait=10
 AccountingStorageType=accounting_storage/none
@@ -94,6 +97,19 @@ start_network() {
   done
 }
 
+start_node() {
+  local node=$1
+  mkdir -p "$BASE/spool/$node"
+  # the node's network namespace only (`ip netns exec` would remount /sys, hiding the cgroup
+  # file system slurmd reads), plus its own host name and /etc/hosts
+  nsenter --net="/run/netns/mas-$node" unshare --mount --uts sh -c \
+    "mount --bind /etc/netns/mas-$node/hosts /etc/hosts && hostname $node && exec /usr/sbin/slurmd -f $CONF -N $node"
+}
+
+kill_node() {  # every process in the node's network namespace: its slurmd, slurmstepds and ranks
+  ip netns pids "mas-$1" | xargs -r kill -9
+}
+
 start() {
   write_conf
   start_munge
@@ -101,11 +117,7 @@ start() {
   export SLURM_CONF=$CONF
   /usr/sbin/slurmctld -f "$CONF"
   for node in "${NODES[@]}"; do
-    mkdir -p "$BASE/spool/$node"
-    # the node's network namespace only (`ip netns exec` would remount /sys, hiding the cgroup
-    # file system slurmd reads), plus its own host name and /etc/hosts
-    nsenter --net="/run/netns/mas-$node" unshare --mount --uts sh -c \
-      "mount --bind /etc/netns/mas-$node/hosts /etc/hosts && hostname $node && exec /usr/sbin/slurmd -f $CONF -N $node"
+    start_node "$node"
   done
   local deadline=$((SECONDS + 60))
   until [[ "$(sinfo -h -o '%T' 2>/dev/null | sort -u | tr '\n' ' ')" == "idle " ]]; do
@@ -152,5 +164,7 @@ stop() {
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
-  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+  kill-node) kill_node "${2:?which node}" ;;
+  start-node) export SLURM_CONF=$CONF; start_node "${2:?which node}" ;;
+  *) echo "usage: $0 start|stop|kill-node NODE|start-node NODE" >&2; exit 2 ;;
 esac

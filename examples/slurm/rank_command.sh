@@ -39,6 +39,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1           # Megatron's TP/SP overlap needs 
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1       # a dead peer raises (after --distributed-timeout-minutes)
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}    # as torchrun sets it: one intra-op thread a rank, one reduction order
 
 if [[ "$LAUNCHER" == launch ]]; then
   CMD=("$PYTHON" -m megatron_async.launch "$PRETRAIN" "${TRAIN_ARGS[@]}" "${EXTRA[@]}")

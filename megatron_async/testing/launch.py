@@ -34,3 +34,17 @@ def _torchrun(entry: list, nproc: int, timeout_s: float, cwd) -> subprocess.Comp
         out, _ = proc.communicate()
         raise TimeoutError(f"torchrun did not finish within {timeout_s:.0f} s:\n{out[-5000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def finish_job(proc: subprocess.Popen, log, timeout_s: float = 300) -> tuple[int, str]:
+    """Wait for a job started in its own session (`start_new_session=True`); past
+    `timeout_s` kill its whole process group. Returns (exit code, the log file's text)."""
+    from pathlib import Path
+
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return proc.returncode, Path(log).read_text()

@@ -8,6 +8,10 @@ examples/slurm/smoke_flags.sh:
 
 - the two stages run on the two nodes (each rank's line in the job log names its
   node), with the rendezvous from the job's node list, and the job completes;
+- a node lost mid-run (its slurmd and ranks killed with SIGKILL): the job ends with the
+  surviving rank naming the lost peer and no process of the job left on the other
+  node; resubmitted once the node is back, it resumes from the last complete
+  checkpoint and its losses equal the uninterrupted job's bit for bit;
 - preempted: `scancel --signal=TERM` mid-run, every rank stops after one agreed
   iteration and saves, the job requeues itself (`scontrol requeue`), its restart
   (SLURM_RESTART_COUNT 1) resumes from that checkpoint and finishes, and its
@@ -29,6 +33,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "examples" / "slurm" / "local_cluster.sh"
 RESOURCES = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1"]
+_CLUSTER_ENV: dict = {}
 END = 40  # --exit-interval of both jobs (the same --train-iters, so the same learning-rate schedule); the
 # signal comes after iteration 3, long before it
 
@@ -37,6 +42,7 @@ END = 40  # --exit-interval of both jobs (the same --train-iters, so the same le
 def slurm(tmp_path_factory):
     base = tmp_path_factory.mktemp("slurm")
     env = dict(os.environ, BASE=str(base))
+    _CLUSTER_ENV.update(env)
     munge_before = subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0
     start = subprocess.run(["bash", str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=180)
     try:
@@ -52,12 +58,12 @@ def slurm(tmp_path_factory):
         assert not left.strip() and "mas-node" not in netns, f"left running: {left} {netns}"
 
 
-def _submit(slurm, run_dir: Path) -> int:
+def _submit(slurm, run_dir: Path, options=(), **extra) -> int:
     env = dict(slurm, CONFIG=str(REPO / "examples/slurm/smoke_flags.sh"), RUN_DIR=str(run_dir),
                VENV=str(Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv"))), PRETRAIN="--gpt", REPO=str(REPO),
-               EXIT_INTERVAL=str(END))
-    run_dir.mkdir(parents=True)
-    out = subprocess.run(["sbatch", "--parsable", *RESOURCES, f"--output={run_dir}/job-%j.out",
+               EXIT_INTERVAL=str(END), **extra)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(["sbatch", "--parsable", *RESOURCES, *options, f"--output={run_dir}/job-%j.out",
                           str(REPO / "examples/slurm/pretrain_2bw.sbatch")], env=env, cwd=run_dir,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -126,3 +132,34 @@ def test_a_preempted_job_saves_requeues_and_resumes_bit_for_bit(slurm, uninterru
     losses, whole = _losses(run_dir), _losses(reference)
     assert sorted(losses) == list(range(1, END + 1)) and stop < END
     assert losses == whole  # bit for bit, across the stop and the restart
+
+
+def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(slurm, uninterrupted, tmp_path):
+    run_dir = tmp_path / "lost"
+    # --no-requeue: this test resubmits by hand (a job Slurm requeues itself keeps its id, and the
+    # returning node may still be told to end that id's old steps)
+    job = _submit(slurm, run_dir, ["--no-requeue"], SAVE_INTERVAL="5")
+    _wait(lambda: (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+          and len(_losses(run_dir)) >= 7, "a checkpoint and two more iterations")
+    subprocess.run(["bash", str(CLUSTER), "kill-node", "node2"], env=_CLUSTER_ENV, check=True)
+    _wait(lambda: _state(slurm, job) not in ("RUNNING", "COMPLETING", "CONFIGURING", "PENDING"), "end of the job", 180)
+    log = (run_dir / f"job-{job}.out").read_text()
+    assert re.search(r"megatron-async: rank 0: lost a peer rank", log), log[-4000:]
+    assert "Node failure on node2" in log or "node2" in log, log[-4000:]
+    ranks_left = subprocess.run(["pgrep", "-af", f"megatron_async.launch.*{run_dir}"], capture_output=True,
+                                text=True).stdout
+    assert not ranks_left.strip(), ranks_left
+    saved = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert saved % 5 == 0 and saved < END
+    subprocess.run(["bash", str(CLUSTER), "start-node", "node2"], env=_CLUSTER_ENV, check=True)
+    _wait(lambda: subprocess.run(["sinfo", "-h", "-n", "node2", "-o", "%T"], env=slurm, capture_output=True,
+                                 text=True).stdout.strip() == "idle", "node2 back", 120)
+    resumed = _submit(slurm, run_dir, SAVE_INTERVAL="5")
+    _wait(lambda: _state(slurm, resumed) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), "end of the resubmitted job")
+    log = (run_dir / f"job-{resumed}.out").read_text()
+    assert re.search(rf"loaded checkpoint .* at iteration\s+{saved}\b", log), log[-4000:]
+    _, reference = uninterrupted
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, END + 1))
+    assert {i: _losses(reference)[i] for i in range(saved + 1, END + 1)} == {
+        i: losses[i] for i in range(saved + 1, END + 1)}  # bit for bit after the resume
