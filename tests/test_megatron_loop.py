@@ -129,7 +129,7 @@ def test_the_stop_agreement_spans_stages_only_without_blocking(tmp_path):
     """--exit-signal-handler and --exit-duration-in-mins under 2bw: the only collectives
     across stages are the stop agreement's non-blocking all-reduces, each waited
     LAG iterations after it was posted (pipeline/stop_agreement.py), when every rank
-    has long posted it."""
+    has long posted it, or at the end of training."""
     from megatron_async.pipeline.stop_agreement import LAG
 
     blocking, non_blocking, _ = _audit(tmp_path, 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
@@ -138,7 +138,9 @@ def test_the_stop_agreement_spans_stages_only_without_blocking(tmp_path):
     assert not blocking, blocking[:10]
     assert non_blocking and all(name == "all_reduce" for _rank, name, _group, _timing in non_blocking)
     waited = [t for *_rest, t in non_blocking if t["waited"] is not None]
-    assert waited and all(t["waited"] - t["posted"] >= LAG for t in waited), non_blocking[:10]
+    # LAG iterations later; the last ones at the end of training, where every rank has stopped
+    early = [t for t in waited if t["waited"] - t["posted"] < LAG and t["waited"] < ITERS]
+    assert waited and not early, early
 
 
 def test_audit_catches_an_injected_cross_stage_all_reduce(tmp_path):

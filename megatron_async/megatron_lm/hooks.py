@@ -268,8 +268,7 @@ def _checkpoint_and_decide_exit(original):
         margs.exit_signal_handler, margs.exit_duration_in_mins = False, None
         try:
             if original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
-                agreement.settle()
-                return True
+                return True  # runtime.finish settles the agreement
         finally:
             margs.exit_signal_handler, margs.exit_duration_in_mins = own
         code, posted = agreement.after_iteration(iteration, runtime.local_stop_code(margs))
@@ -278,7 +277,6 @@ def _checkpoint_and_decide_exit(original):
         from megatron.training import training
         from megatron_async.pipeline.stop_agreement import REASONS
 
-        agreement.settle()
         if margs.save and not (margs.save_interval and iteration % margs.save_interval == 0):
             flops, checkpointing_context, train_data_iterator = rest[:3]
             training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, flops,

@@ -347,9 +347,12 @@ def drain() -> None:
 def finish() -> None:
     """Run the trailing actions of the 2bw pipeline so no neighbour waits on us (at the
     end of --train-iters, and at every exit Megatron takes out of train: --exit-interval
-    with or without --save, its other sys.exit paths)."""
+    with or without --save, its other sys.exit paths), and wait out the stop agreement's
+    codes still posted (every rank stops after the same iteration, so all posted the same)."""
     if STATE.runner is not None:
         STATE.runner.finish()
+    if STATE.stop is not None:
+        STATE.stop.settle()
 
 
 ABANDON_WAIT_S = 30.0
