@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= 2
 GPU_PYTHON ?= python3
 GPU_REPORT ?= out/gpu
 
-.PHONY: setup test test-gpu test-cluster demo bench clean
+.PHONY: setup test test-gpu test-cluster image image-smoke demo bench clean
 
 setup: $(STAMP)
 
@@ -30,9 +30,19 @@ $(STAMP): setup.py constraints.txt
 test: setup
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu --ignore=tests/cluster $(PYTEST_ARGS)
 
-# A real two-node Slurm on this machine (root; Debian's slurm-wlm, munge, iproute2): fails, saying why, without them.
+# A real two-node Slurm on this machine (root; Debian's slurm-wlm, munge, iproute2) and the image
+# built and run with podman (Debian's podman, runc, debootstrap): fails, saying why, without them.
 test-cluster: setup
-	$(PY) -m pytest -q tests/cluster $(PYTEST_ARGS)
+	$(PY) -m pytest -q -s tests/cluster $(PYTEST_ARGS)
+
+# The Dockerfile built with podman on a stand-in base from Debian's packages (docker/image.sh);
+# MEGATRON_LM_MIRROR=<a git mirror of NVIDIA/Megatron-LM> adds the patched checkout.
+image:
+	bash docker/image.sh build
+
+# The CI smoke inside the image: a small GPT, 2bw, PP=2 on 2 processes; its loss must fall.
+image-smoke:
+	bash docker/image.sh smoke
 
 # Skips every test, saying so, where there is no CUDA GPU (tests/gpu/conftest.py).
 test-gpu:

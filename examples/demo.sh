@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # `make demo`: prepare the Shakespeare corpus, then pretrain a small GPT on the CPU with
 # 2 processes as 2 pipeline stages with PipeDream-2BW, and check that it learned. About 3 minutes on 2 cores.
-# DATA, OUT, ITERS, SCHEDULE and OPTIMIZER may be overridden from the environment (e.g. ITERS=20 for a smoke run).
+# DATA, OUT, ITERS, SCHEDULE and OPTIMIZER may be overridden from the environment (e.g. ITERS=20 for a smoke run);
+# PYTHON (the venv's by default) and ENTRY (--gpt: our GPT entry; or a training script such as
+# Megatron-LM's pretrain_gpt.py) are how the image smoke (docker/image.sh) runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."                         # paths below are relative to the repo root
 
-BIN=.venv/bin
+PYTHON=${PYTHON:-.venv/bin/python}              # the Python with megatron-async installed
+ENTRY=${ENTRY:---gpt}
 DATA=${DATA:-data/shakespeare}                  # prepared corpus (cached between runs)
 OUT=${OUT:-out/demo}                            # metrics.jsonl, loss.png, train.log
 SCHEDULE=${SCHEDULE:-2bw}                       # 2bw (ours) or 1f1b (Megatron's, with a flush)
@@ -16,7 +19,7 @@ export PYTHONWARNINGS=ignore                    # hide "Apex/Transformer Engine 
 
 echo "== 1/2 data: Shakespeare -> $DATA (skipped when already prepared)"
 # 42 works, split by whole work; SentencePiece BPE with 4096 tokens; ~20 s the first time.
-"$BIN/megatron-async-prepare-data" --out "$DATA"
+"$PYTHON" -m megatron_async.data.prepare --out "$DATA"
 
 echo "== 2/2 training: 4-layer GPT, 2 pipeline stages ($SCHEDULE, $OPTIMIZER), $ITERS iterations on the CPU"
 mkdir -p "$OUT"
@@ -73,7 +76,7 @@ train_args=(
 )
 # Megatron's own training loop (megatron.training.pretrain) with the plugin installed; on a
 # machine without CUDA the launcher adds the CPU flags (--transformer-impl local, gloo, ...).
-"$BIN/torchrun" --standalone --nproc-per-node 2 -m megatron_async.launch --gpt "${train_args[@]}" \
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_async.launch "$ENTRY" "${train_args[@]}" \
   > "$OUT/train.log" 2>&1 || { tail -n 40 "$OUT/train.log"; exit 1; }
 # Megatron's progress lines, shortened to iteration, time, loss and grad norm
 awk -F' [|] ' '/ iteration +[0-9]+\/|validation loss at/ {
@@ -82,7 +85,7 @@ awk -F' [|] ' '/ iteration +[0-9]+\/|validation loss at/ {
   print line }' "$OUT/train.log"
 
 # A model that learned nothing predicts uniformly: loss ln(vocab) = ln(4096) = 8.32.
-"$BIN/python" - "$OUT/metrics.jsonl" "$DATA/stats.json" "$SECONDS" <<'EOF'
+"$PYTHON" - "$OUT/metrics.jsonl" "$DATA/stats.json" "$SECONDS" <<'EOF'
 import json, math, sys
 
 metrics, stats, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -51,10 +51,15 @@ def main(argv=None) -> int:
     if on_cpu:
         rest = with_cpu_flags(rest)
     try:
-        return _run_and_finish(script, rest)
+        code = _run_and_finish(script, rest)
     finally:
         if on_cpu:
             cpu.write_exit_report()
+    if code:  # our refusal or stop: the process groups still hold gloo/NCCL threads, which
+        sys.stdout.flush()  # can abort a normal exit (SIGABRT) and so replace our exit code
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run_and_finish(script: str, rest: list[str]) -> int:

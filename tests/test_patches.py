@@ -78,3 +78,25 @@ def test_a_refusal_in_a_patched_script_is_our_one_line_and_exit_code(tmp_path):
     control = subprocess.run([sys.executable, str(plain), str(script), *args], cwd=root, capture_output=True,
                              text=True, timeout=300)
     assert control.returncode == 1 and "Traceback" in control.stderr, control.stderr[-3000:]
+
+
+def test_the_launcher_on_a_patched_checkout_hooks_each_name_once(tmp_path):
+    """`python -m megatron_async.launch pretrain_gpt.py` in a patched checkout: the launcher's
+    install() imports megatron.training, whose patched __init__ installs the hooks first.
+    Each Megatron name must be wrapped once: twice, Megatron's parser gets
+    --pipeline-schedule twice ("conflicting option string") and every hook runs twice."""
+    root = _patched_copy(tmp_path)
+    probe = (
+        "import sys\n"
+        "from megatron_async.megatron_lm.hooks import install, _INSTALLED\n"
+        "install()\n"
+        "import megatron.training.arguments as A, megatron.training.training as T\n"
+        f"assert A.__file__.startswith({str(root)!r}), A.__file__\n"
+        "for fn in (A.add_megatron_arguments, T.train_step, T.get_forward_backward_func):\n"
+        "    assert not hasattr(fn.__wrapped__, '__wrapped__'), f'{fn.__name__} is hooked twice'\n"
+        "sys.argv = ['pretrain_gpt.py', '--help']\n"
+        "A.parse_args()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--pipeline-schedule" in out.stdout

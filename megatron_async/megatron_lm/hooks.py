@@ -497,6 +497,8 @@ def install() -> None:
             raise MissingHookError(
                 f"megatron-async: {hook.module}.{hook.name} (called at {hook.called_at} in megatron-core 0.19.2) "
                 f"does not exist in megatron-core {__version__}")
+    if _INSTALLED:  # importing a patched megatron.training above installed them already
+        return
     for hook in HOOKS:
         module = modules[hook.module]
         original = getattr(module, hook.name)

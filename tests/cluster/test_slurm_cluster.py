@@ -21,77 +21,11 @@ Where Slurm cannot start here this fails, saying why; it never passes silently.
 Run by `make test-cluster` (.ci/run installs Debian's slurm-wlm and munge first).
 """
 
-import json
-import os
 import re
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-CLUSTER = REPO / "examples" / "slurm" / "local_cluster.sh"
-RESOURCES = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1"]
-_CLUSTER_ENV: dict = {}
-END = 40  # --exit-interval of both jobs (the same --train-iters, so the same learning-rate schedule); the
-# signal comes after iteration 3, long before it
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    base = tmp_path_factory.mktemp("slurm")
-    env = dict(os.environ, BASE=str(base))
-    _CLUSTER_ENV.update(env)
-    munge_before = subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0
-    start = subprocess.run(["bash", str(CLUSTER), "start"], env=env, capture_output=True, text=True, timeout=180)
-    try:
-        assert start.returncode == 0, f"the local Slurm did not start:\n{start.stdout}\n{start.stderr}"
-        yield dict(os.environ, SLURM_CONF=str(base / "slurm.conf"))
-    finally:
-        subprocess.run(["bash", str(CLUSTER), "stop"], env=env, capture_output=True, text=True, timeout=120)
-        left = subprocess.run(["pgrep", "-af", f"{base}/slurm.conf|slurmstepd"], capture_output=True, text=True).stdout
-        if not munge_before:
-            left += subprocess.run(["pgrep", "-ax", "munged"], capture_output=True, text=True).stdout
-        left = "\n".join(line for line in left.splitlines() if "<defunct>" not in line)  # exited, not yet reaped
-        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert not left.strip() and "mas-node" not in netns, f"left running: {left} {netns}"
-
-
-def _submit(slurm, run_dir: Path, options=(), **extra) -> int:
-    env = dict(slurm, CONFIG=str(REPO / "examples/slurm/smoke_flags.sh"), RUN_DIR=str(run_dir),
-               VENV=str(Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv"))), PRETRAIN="--gpt", REPO=str(REPO),
-               EXIT_INTERVAL=str(END), **extra)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(["sbatch", "--parsable", *RESOURCES, *options, f"--output={run_dir}/job-%j.out",
-                          str(REPO / "examples/slurm/pretrain_2bw.sbatch")], env=env, cwd=run_dir,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout.strip().split(";")[0])
-
-
-def _job(slurm, job: int) -> str:
-    return subprocess.run(["scontrol", "show", "job", str(job)], env=slurm, capture_output=True, text=True).stdout
-
-
-def _state(slurm, job: int) -> str:
-    match = re.search(r"JobState=(\w+)", _job(slurm, job))
-    return match.group(1) if match else "GONE"
-
-
-def _wait(predicate, what, timeout_s=420):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(1)
-
-
-def _losses(run_dir: Path) -> dict:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, path.read_text().splitlines()) if "lm_loss" in r}
-
+from slurm_jobs import CLUSTER, CLUSTER_ENV, END, _job, _losses, _state, _submit, _wait
 
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory):
@@ -141,7 +75,7 @@ def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(slurm, uninterrupte
     job = _submit(slurm, run_dir, ["--no-requeue"], SAVE_INTERVAL="5")
     _wait(lambda: (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
           and len(_losses(run_dir)) >= 7, "a checkpoint and two more iterations")
-    subprocess.run(["bash", str(CLUSTER), "kill-node", "node2"], env=_CLUSTER_ENV, check=True)
+    subprocess.run(["bash", str(CLUSTER), "kill-node", "node2"], env=CLUSTER_ENV, check=True)
     _wait(lambda: _state(slurm, job) not in ("RUNNING", "COMPLETING", "CONFIGURING", "PENDING"), "end of the job", 180)
     log = (run_dir / f"job-{job}.out").read_text()
     assert re.search(r"megatron-async: rank 0: lost a peer rank", log), log[-4000:]
@@ -151,7 +85,7 @@ def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(slurm, uninterrupte
     assert not ranks_left.strip(), ranks_left
     saved = int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert saved % 5 == 0 and saved < END
-    subprocess.run(["bash", str(CLUSTER), "start-node", "node2"], env=_CLUSTER_ENV, check=True)
+    subprocess.run(["bash", str(CLUSTER), "start-node", "node2"], env=CLUSTER_ENV, check=True)
     _wait(lambda: subprocess.run(["sinfo", "-h", "-n", "node2", "-o", "%T"], env=slurm, capture_output=True,
                                  text=True).stdout.strip() == "idle", "node2 back", 120)
     resumed = _submit(slurm, run_dir, SAVE_INTERVAL="5")
