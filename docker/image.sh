@@ -27,7 +27,7 @@ build() {
     BASE_TAG=$BASE_IMAGE "$REPO/docker/standin/build_base.sh"
   fi
   if [[ -n "${MEGATRON_LM_MIRROR:-}" ]]; then
-    git -C "$MEGATRON_LM_MIRROR" cat-file -e f8837c04ef6cbef6cdefb8de001aad63178aebbf^{commit} \
+    git -C "$MEGATRON_LM_MIRROR" cat-file -e "f8837c04ef6cbef6cdefb8de001aad63178aebbf^{commit}" \
       || { echo "image: $MEGATRON_LM_MIRROR lacks Megatron-LM commit f8837c04" >&2; exit 1; }
     args+=(--volume "$(cd "$MEGATRON_LM_MIRROR" && pwd):/megatron-lm-mirror:ro"
            --build-arg MEGATRON_LM_REPO=/megatron-lm-mirror)

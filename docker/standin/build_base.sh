@@ -5,7 +5,7 @@
 #      Python's headers, as NVIDIA's container has them (Megatron-LM builds its dataset
 #      helpers with them);
 #   2. import it as ROOT_TAG;
-#   3. build docker/standin/Containerfile on it: the pinned torch (constraints.txt) in a
+#   3. build docker/standin/Containerfile on it: the pinned torch and numpy (constraints.txt) in a
 #      Python environment on PATH, tagged BASE_TAG.
 # Kept when BASE_TAG exists (FORCE=1 rebuilds). The machine's CA bundle goes into the
 # root file system, so pip inside the builds trusts what this machine's pip trusts.
@@ -21,6 +21,7 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 ROOT_TAG=${ROOT_TAG:-localhost/megatron-async-standin-root:$SUITE}
 BASE_TAG=${BASE_TAG:-localhost/megatron-async-base:standin}
 TORCH_VERSION=$(sed -n 's/^torch==//p' "$REPO/constraints.txt")
+NUMPY_VERSION=$(sed -n 's/^numpy==//p' "$REPO/constraints.txt")
 
 if [[ -z "${FORCE:-}" ]] && image_exists "$BASE_TAG"; then
   echo "build_base: $BASE_TAG exists (FORCE=1 rebuilds)"
@@ -41,5 +42,6 @@ fi
 echo "build_base: root file system in $((SECONDS - start)) s; importing as $ROOT_TAG"
 tar -C "$WORK/root" -c . | engine import - "$ROOT_TAG" > /dev/null
 engine_build --build-arg "ROOT_IMAGE=$ROOT_TAG" --build-arg "TORCH_VERSION=$TORCH_VERSION" \
+  --build-arg "NUMPY_VERSION=$NUMPY_VERSION" \
   -t "$BASE_TAG" -f "$REPO/docker/standin/Containerfile" "$REPO/docker/standin"
 echo "build_base: $BASE_TAG (torch $TORCH_VERSION) in $((SECONDS - start)) s"

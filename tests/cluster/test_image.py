@@ -17,7 +17,7 @@ import subprocess
 import time
 
 import pytest
-from slurm_jobs import END, REPO, _losses, _state, _submit, _wait
+from slurm_jobs import END, REPO, _job, _losses, _state, _submit, _wait
 
 IMAGE = "localhost/megatron-async:test"
 
@@ -52,14 +52,32 @@ def test_the_ci_smoke_trains_2bw_inside_the_image(image):
     assert re.search(r"image: Python 3\.1[2-9]\S* torch \S+ cuda False", out), out[-4000:]
     runs = 2 if os.environ.get("MEGATRON_LM_MIRROR") else 1
     assert len(re.findall(r"^demo learned: final validation loss", out, re.M)) == runs, out[-4000:]
+    if runs == 2:  # Megatron-LM's pretrain_gpt.py and the plugin's GPT entry: the same model, data and steps
+        ours, theirs = out.split("== the same run through the patched Megatron-LM pretrain_gpt.py")
+        assert _losses_logged(ours) == _losses_logged(theirs), out[-4000:]
 
 
-def test_the_image_runs_the_ranks_of_the_slurm_job(image, slurm, tmp_path):
+def _losses_logged(out: str) -> list:
+    return re.findall(r"^iteration +(\d+)/.*lm loss: (\S+)", out, re.M)
+
+
+@pytest.fixture(scope="module")
+def in_image(image, slurm, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("image_jobs") / "uninterrupted"
+    job = _submit(slurm, run_dir, PODMAN_IMAGE=IMAGE, LAUNCHER="launch")  # launch: the CPU flags
+    _wait(lambda: _state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), "end of the job")
+    return job, run_dir
+
+
+def _containers_left() -> str:
+    return subprocess.run(["podman", "ps", "-q", "--filter", f"ancestor={IMAGE}"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_the_image_runs_the_ranks_of_the_slurm_job(slurm, in_image):
     """sbatch with PODMAN_IMAGE: each rank is `podman run` of the image on its node, the
     rendezvous from the job's node list, and no container is left after the job."""
-    run_dir = tmp_path / "in_image"
-    job = _submit(slurm, run_dir, PODMAN_IMAGE=IMAGE, PRETRAIN="--gpt", LAUNCHER="launch")
-    _wait(lambda: _state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), "end of the job")
+    job, run_dir = in_image
     log = (run_dir / f"job-{job}.out").read_text()
     assert _state(slurm, job) == "COMPLETED", log[-4000:]
     assert set(re.findall(rf"^rank (\d) on (\w+): podman run {re.escape(IMAGE)}", log, re.M)) == {
@@ -67,6 +85,26 @@ def test_the_image_runs_the_ranks_of_the_slurm_job(image, slurm, tmp_path):
     assert dict(re.findall(r"^rank (\d) of 2 on (\w+)", log, re.M)) == {"0": "node1", "1": "node2"}, log[-4000:]
     losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, END + 1)) and losses[END] < losses[1]
-    left = subprocess.run(["podman", "ps", "-q", "--filter", f"ancestor={IMAGE}"], capture_output=True, text=True)
-    assert not left.stdout.strip(), f"containers left after the job: {left.stdout}"
+    assert not _containers_left()
 
+
+def test_slurms_signal_reaches_the_ranks_in_the_image(slurm, in_image, tmp_path):
+    """`scancel --signal=TERM` reaches each rank through podman's signal proxy: the ranks stop
+    after one agreed iteration and save, the job requeues itself, and its restart resumes
+    and matches the uninterrupted job in the image bit for bit."""
+    run_dir = tmp_path / "preempted"
+    job = _submit(slurm, run_dir, PODMAN_IMAGE=IMAGE, LAUNCHER="launch")
+    _wait(lambda: len(_losses(run_dir)) >= 3, "third iteration")
+    subprocess.run(["scancel", "--signal=TERM", str(job)], env=slurm, check=True)
+    _wait(lambda: "Restarts=1" in _job(slurm, job), "requeue")
+    _wait(lambda: _state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE")
+          and "restart 1" in (run_dir / f"job-{job}.out").read_text(), "end of the restarted job")
+    log = (run_dir / f"job-{job}.out").read_text()
+    assert _state(slurm, job) == "COMPLETED", log[-4000:]
+    stop = int(re.search(r"stopping after iteration (\d+), agreed by every rank: a signal", log).group(1))
+    assert re.search(rf"loaded checkpoint .* at iteration\s+{stop}\b", log), log[-4000:]
+    _, reference = in_image
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, END + 1)) and stop < END
+    assert losses == _losses(reference)
+    assert not _containers_left()
