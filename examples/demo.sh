@@ -37,9 +37,6 @@ train_args=(
   --pipeline-schedule "$SCHEDULE"               # PipeDream-2BW: no flush, 2 weight versions per stage,
                                                 # one-step delayed gradients (SCHEDULE=1f1b: Megatron's);
                                                 # each stage clips by its own gradient norm
-  --rerun-mode disabled                         # Megatron's rerun checks all-reduce over every rank each
-                                                # iteration; 2bw refuses them (docs/megatron_lm.md)
-  # model: ~1.9M parameters (half in the embeddings); small enough that ~200 steps fit in a few CPU minutes
   --num-layers 4                                # 2 transformer layers per stage
   --hidden-size 128                             # beat hidden 256 in equal time (more steps)
   --num-attention-heads 4                       # head dimension 32

@@ -22,7 +22,7 @@ import pytest
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "10", "--lr", "1e-3",
-        "--rerun-mode", "disabled", "--untie-embeddings-and-output-weights"]
+        "--untie-embeddings-and-output-weights"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TWO_BW = PP2 + ["--pipeline-schedule", "2bw"]
 # an empty --save directory (the checkpoint checks run before training; nothing is written)
@@ -55,7 +55,8 @@ CASES = {
     "2bw without pipelining": (1, BASE + ["--pipeline-schedule", "2bw"], "--pipeline-model-parallel-size > 1"),
     "tied embeddings": (2, _without(BASE, "--untie-embeddings-and-output-weights") + TWO_BW,
                         "--untie-embeddings-and-output-weights"),
-    "rerun state machine": (2, _without(BASE, "--rerun-mode") + TWO_BW, "--rerun-mode"),
+    "rerun state machine, set explicitly": (2, BASE + TWO_BW + ["--rerun-mode", "validate_results"],
+                                            "--rerun-mode must be disabled"),
     "multi-token prediction": (2, BASE + TWO_BW + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
                                "--mtp-num-layers"),
     "per-token loss": (2, BASE + TWO_BW + ["--calculate-per-token-loss"], "--calculate-per-token-loss"),
@@ -239,3 +240,27 @@ def test_flags_megatron_refuses_on_cpu_are_refused_by_2bw_too(flag):
 
     (error,) = run_distributed(_refused_after_megatron_entry, 1, flag)
     assert error is not None and flag in error, error
+
+
+_RESOLVED = """
+import sys
+from megatron_async.check_flags import parse, prepare
+prepare()
+args = parse(sys.argv[2:], int(sys.argv[1]))
+print("rerun_mode=" + repr(args.rerun_mode), type(args.rerun_mode).__name__)
+"""
+
+
+@pytest.mark.parametrize("schedule, given, expected", [
+    ("2bw", None, "disabled"), ("2bw", "disabled", "disabled"), ("1f1b", None, "validate_results"),
+    ("1f1b", "report_stats", "report_stats")])
+def test_2bw_sets_rerun_mode_only_where_megatrons_default_was_in_the_way(schedule, given, expected):
+    """Without --rerun-mode, 2bw runs with it disabled and says so in one line; Megatron's own
+    schedule keeps Megatron's default (validate_results), and a value typed is kept (a typed
+    value 2bw cannot honour is refused: CASES "rerun state machine, set explicitly")."""
+    argv = BASE + PP2 + ["--pipeline-schedule", schedule] + (["--rerun-mode", given] if given else [])
+    out = subprocess.run([sys.executable, "-c", _RESOLVED, "2", *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"rerun_mode={expected!r} str" in out.stdout, out.stdout[-2000:]
+    notice = "megatron-async: --pipeline-schedule 2bw sets --rerun-mode disabled"
+    assert (notice in out.stdout) == (schedule == "2bw" and given is None), out.stdout[-2000:]

@@ -32,7 +32,7 @@ PARALLEL_ARGS=(
   --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --tensor-model-parallel-size 1
   --pipeline-schedule 2bw                       # no flush, two weight versions, one-step delay
   --use-distributed-optimizer                   # with Muon: Megatron's layer-wise distributed optimizer
-  --bf16 --rerun-mode disabled
+  --bf16
 )
 OPTIMIZER_ARGS=(
   --optimizer muon --muon-momentum 0.95 --muon-extra-scale-factor 0.2   # AdamW-sized updates: one --lr

@@ -56,7 +56,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--plot", default=None, metavar="PNG",
                    help="with --metrics-json: train and validation loss, drawn when training ends")
     _escape_percent_in_help(parser)
+    _mark_defaults_2bw_replaces(parser)
     return parser
+
+
+# Megatron flags whose default 2bw cannot run with, and what 2bw sets instead when the user
+# left them at that default (a value set explicitly is still refused, naming the flag).
+DEFAULTS_2BW = (
+    ("rerun_mode", "--rerun-mode", "validate_results", "disabled",
+     "Megatron's rerun state machine all-reduces over all ranks every iteration"),
+)
+_MEGATRON_DEFAULTS: dict = {}  # dest -> Megatron's default, where the parser's default became None
+
+
+def _mark_defaults_2bw_replaces(parser: argparse.ArgumentParser) -> None:
+    """Parse DEFAULTS_2BW's flags with a default of None, so that resolve_defaults can tell a
+    value the user typed from Megatron's default."""
+    for action in parser._actions:
+        for dest, _, megatron_default, _, _ in DEFAULTS_2BW:
+            if action.dest == dest and action.default == megatron_default:
+                _MEGATRON_DEFAULTS[dest] = megatron_default
+                action.default = None
+                if isinstance(action.help, str):
+                    action.help += f" (default: {megatron_default}; megatron-async: disabled under 2bw)"
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Before Megatron's validate_args: a flag of DEFAULTS_2BW the user did not set gets
+    Megatron's default, or under 2bw the value 2bw needs, with a one-line notice."""
+    two_bw = getattr(args, "pipeline_schedule", None) == "2bw"
+    for dest, flag, _, value_2bw, why in DEFAULTS_2BW:
+        if dest not in _MEGATRON_DEFAULTS or getattr(args, dest, "") is not None:
+            continue
+        if two_bw:
+            setattr(args, dest, value_2bw)
+            if getattr(args, "rank", 0) == 0:
+                print(f"megatron-async: --pipeline-schedule 2bw sets {flag} {value_2bw} ({why})", flush=True)
+        else:
+            setattr(args, dest, _MEGATRON_DEFAULTS[dest])
 
 
 _PERCENT = re.compile(r"%%|%\(\w+\)[a-z]|%")  # an escaped %, a format field, or a bare %
@@ -78,7 +115,8 @@ def _require(condition: bool, message: str) -> None:
 # Megatron flags whose per-iteration collective spans pipeline stages, with why.
 REFUSED_UNDER_2BW = (
     ("rerun_mode", lambda v: v != "disabled", "--rerun-mode",
-     "needs --rerun-mode disabled: the rerun state machine all-reduces over all ranks every iteration"),
+     "must be disabled (the default under 2bw): the rerun state machine all-reduces over all ranks every "
+     "iteration"),
     ("log_params_norm", bool, "--log-params-norm", "all-reduces the parameter norm across stages every iteration"),
     ("log_straggler", bool, "--log-straggler", "gathers timings over all ranks"),
     ("timing_log_level", lambda v: (v or 0) >= 1, "--timing-log-level",
@@ -125,7 +163,9 @@ SILENTLY_WRONG_UNDER_2BW = (
 
 
 def validate_first(args: argparse.Namespace) -> None:
-    """Before Megatron's validate_args: the flags it checks with a bare assert."""
+    """Before Megatron's validate_args: the defaults 2bw replaces, and the flags Megatron
+    checks with a bare assert."""
+    resolve_defaults(args)
     _require(not getattr(args, "save", None) or getattr(args, "save_interval", None) is not None,
              f"--save {getattr(args, 'save', None)} needs --save-interval N, the iterations between checkpoints "
              "(Megatron has no default); e.g. --save-interval 1000")
