@@ -1,0 +1,55 @@
+"""When tied input and output embeddings could be exchanged between the first and last
+stage under 2bw without a stall, read off the real 2bw action lists by the simulator.
+
+Tying under 2bw (issue: the paper's SmolLM-360M ties them) would work so: batch b's
+embedding gradient (stage 0) and output-layer gradient (last stage) are both taken at
+version b-1, so their sum is the tied gradient of the one-step-delay twin. The last
+stage sends its part to stage 0, which steps the one weight and sends version b+1
+back; the last stage needs it when it snapshots its weights at its step b+1 (its
+batch b+2 runs at version b+1). Two windows decide whether this stalls:
+
+- gradient: from the end of the last stage's last backward of batch b to the start of
+  stage 0's step b (or, if the received gradient must be in stage 0's buffer before
+  that buffer's data-parallel reduction starts, as with --overlap-grad-reduce, to the
+  start of stage 0's last backward of batch b);
+- weights: from the end of stage 0's step b to the start of the last stage's step b+1.
+
+A window shorter than the transfer stalls a stage by the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_async.schedules.actions import Backward, OptimizerStep
+from megatron_async.schedules.gen_2bw import two_bw, version_2bw
+from megatron_async.schedules.simulator import simulate
+
+
+@dataclass(frozen=True)
+class TiedWindows:
+    """The shortest windows over the steady batches, in the simulator's time units."""
+
+    grad_before_step: float  # last stage's last backward of b ends -> stage 0's step b starts
+    grad_before_last_backward: float  # ... -> stage 0's last backward of b starts
+    weights_before_next_step: float  # stage 0's step b ends -> last stage's step b+1 starts
+
+
+def tied_windows(num_stages: int, microbatches: int, fwd: float = 1.0, bwd: float = 2.0, opt: float = 0.0,
+                 p2p: float = 0.0, batches: int = 6, lag: int = 1) -> TiedWindows:
+    """Simulate `batches` batches of the 2bw lists and measure the windows of batches 1..batches-3
+    (the first batch has no steady predecessor; the last two have no next step). `lag`: the
+    last stage's step b+lag is the first that needs version b+1 (1 under 2bw's version rule;
+    0 is what a weight without the one-step delay would need)."""
+    p, m = num_stages, microbatches
+    lists = two_bw(p, m, batches)
+    sim = simulate(lists, fwd=fwd, bwd=bwd, opt=opt, p2p=p2p)
+    ends = {(s, a): sim.action_ends[s][i] for s, acts in enumerate(lists) for i, a in enumerate(acts)}
+    grad_step, grad_backward, weights = [], [], []
+    for b in range(1, batches - 2):
+        last = Backward((b + 1) * m - 1, version_2bw((b + 1) * m - 1, m))
+        ready = ends[(p - 1, last)]
+        grad_step.append(ends[(0, OptimizerStep(b))] - opt - ready)
+        grad_backward.append(ends[(0, last)] - bwd - ready)
+        weights.append(ends[(p - 1, OptimizerStep(b + lag))] - opt - ends[(0, OptimizerStep(b))])
+    return TiedWindows(min(grad_step), min(grad_backward), min(weights))

@@ -1,0 +1,42 @@
+"""The timing tied embeddings would have under 2bw, read off the real 2bw action lists by
+the simulator (megatron_async/plan_tied_embeddings.py; docs/two_bw.md, "Tied embeddings").
+
+With forward cost F, backward cost B and no transfer time, the windows are, at every
+steady batch:
+- the last stage's output-layer gradient reaches stage 0 with (p-1) B to spare before
+  stage 0's step, and (p-2) B before stage 0's last backward (none at p = 2);
+- stage 0's updated embedding reaches the last stage with m (F + B) - (p-1) B to spare
+  before the last stage's next step, positive for every m >= p - 1 that 2bw allows.
+Negative control: a weight needed one step earlier (no one-step delay) has no window.
+"""
+
+import pytest
+
+from megatron_async.plan_tied_embeddings import tied_windows
+from megatron_async.schedules.gen_2bw import min_microbatches_2bw
+
+GRID = [(p, m) for p in (2, 3, 4, 6, 8) for m in sorted({min_microbatches_2bw(p), p, 2 * p + 1, 3 * p})]
+
+
+@pytest.mark.parametrize("p, m", GRID)
+@pytest.mark.parametrize("fwd, bwd", [(1.0, 2.0), (1.0, 3.0)])
+def test_the_windows_follow_the_closed_forms(p, m, fwd, bwd):
+    w = tied_windows(p, m, fwd=fwd, bwd=bwd)
+    assert w.grad_before_step == pytest.approx((p - 1) * bwd)
+    assert w.grad_before_last_backward == pytest.approx((p - 2) * bwd)
+    assert w.weights_before_next_step == pytest.approx(m * (fwd + bwd) - (p - 1) * bwd)
+    assert w.weights_before_next_step > 0 and w.grad_before_step > 0
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 3), (4, 8), (8, 16)])
+def test_transfer_time_only_widens_the_gradient_window(p, m):
+    """Point-to-point latency delays the activations stage 0 waits for, so the gradient
+    window grows; the weight window stays positive."""
+    slow = tied_windows(p, m, p2p=0.5)
+    fast = tied_windows(p, m)
+    assert slow.grad_before_step > fast.grad_before_step and slow.weights_before_next_step > 0
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16)])
+def test_negative_control_without_the_one_step_delay_there_is_no_window(p, m):
+    assert tied_windows(p, m, lag=0).weights_before_next_step < 0
