@@ -47,6 +47,11 @@ from functools import cached_property
 from typing import Optional, Sequence, Union
 
 
+class ScheduleError(ValueError):
+    """A schedule that is wrong; the message names the stage, action index and fault
+    (raised by the validator and the link-order check)."""
+
+
 class _Repr:
     """repr without `chunk` when it is 0, so one-chunk schedules read as before."""
 

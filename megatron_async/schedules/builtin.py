@@ -1,60 +1,53 @@
-"""Registrations of the schedules that ship with megatron_async and Megatron-Core."""
-
-from megatron_async.schedules.registry import register_schedule
+"""The schedules that ship with megatron_async and Megatron-Core, as data: the registry
+registers them on first use (this module imports nothing of ours)."""
 
 _MCORE = "megatron.core.pipeline_parallel.schedules:"
 _GEN = "megatron_async.schedules.generators:"
 
-register_schedule(
-    "no-pipelining",
-    description="Megatron-Core: all microbatches on one stage, gradients accumulated",
-    forward_backward_func=_MCORE + "forward_backward_no_pipelining",
-)
-register_schedule(
-    "1f1b",
-    description="Megatron-Core PipeDream-flush (1F1B) with a flush at every batch",
-    forward_backward_func=_MCORE + "forward_backward_pipelining_without_interleaving",
-    requires_pipeline=True,
-    generator=_GEN + "one_f_one_b_flush",
-)
-register_schedule(
-    "interleaved-1f1b",
-    description="Megatron-Core interleaved 1F1B over virtual pipeline stages",
-    forward_backward_func=_MCORE + "forward_backward_pipelining_with_interleaving",
-    generator=_GEN + "interleaved_1f1b",
-    requires_pipeline=True,
-)
-register_schedule(
-    "gpipe",
-    description="GPipe: all forwards, then all backwards, flush at every batch (action lists only)",
-    generator=_GEN + "gpipe",
-    requires_pipeline=True,
-)
-register_schedule(
-    "2bw",
-    description="PipeDream-2BW: 1F1B without flush, two weight versions, constant one-step delay",
-    generator=_GEN + "two_bw",
-    runtime="megatron_async.pipeline.two_bw:TwoBWRunner",
-    requires_pipeline=True,
-    asynchronous=True,
-)
-register_schedule(
-    "pipedream",
-    description="PipeDream: a step per microbatch, weight stashing, delay p-1-s at stage s",
-    generator=_GEN + "pipedream",
-    requires_pipeline=True,
-    asynchronous=True,
-)
-register_schedule(
-    "zb-h1",
-    description="Zero bubble H1: 1F1B with the backward split into input and weight gradients "
-                "(action lists only)",
-    generator=_GEN + "zb_h1",
-    requires_pipeline=True,
-)
-register_schedule(
-    "zbv",
-    description="Zero bubble V: two model pieces per stage in a V, split backward (action lists only)",
-    generator=_GEN + "zbv",
-    requires_pipeline=True,
-)
+BUILTIN_SCHEDULES = {
+    "no-pipelining": dict(
+        description="Megatron-Core: all microbatches on one stage, gradients accumulated",
+        forward_backward_func=_MCORE + "forward_backward_no_pipelining",
+    ),
+    "1f1b": dict(
+        description="Megatron-Core PipeDream-flush (1F1B) with a flush at every batch",
+        forward_backward_func=_MCORE + "forward_backward_pipelining_without_interleaving",
+        requires_pipeline=True,
+        generator=_GEN + "one_f_one_b_flush",
+    ),
+    "interleaved-1f1b": dict(
+        description="Megatron-Core interleaved 1F1B over virtual pipeline stages",
+        forward_backward_func=_MCORE + "forward_backward_pipelining_with_interleaving",
+        generator=_GEN + "interleaved_1f1b",
+        requires_pipeline=True,
+    ),
+    "gpipe": dict(
+        description="GPipe: all forwards, then all backwards, flush at every batch (action lists only)",
+        generator=_GEN + "gpipe",
+        requires_pipeline=True,
+    ),
+    "2bw": dict(
+        description="PipeDream-2BW: 1F1B without flush, two weight versions, constant one-step delay",
+        generator=_GEN + "two_bw",
+        runtime="megatron_async.pipeline.two_bw:TwoBWRunner",
+        requires_pipeline=True,
+        asynchronous=True,
+    ),
+    "pipedream": dict(
+        description="PipeDream: a step per microbatch, weight stashing, delay p-1-s at stage s",
+        generator=_GEN + "pipedream",
+        requires_pipeline=True,
+        asynchronous=True,
+    ),
+    "zb-h1": dict(
+        description="Zero bubble H1: 1F1B with the backward split into input and weight gradients "
+                    "(action lists only)",
+        generator=_GEN + "zb_h1",
+        requires_pipeline=True,
+    ),
+    "zbv": dict(
+        description="Zero bubble V: two model pieces per stage in a V, split backward (action lists only)",
+        generator=_GEN + "zbv",
+        requires_pipeline=True,
+    ),
+}

@@ -41,12 +41,12 @@ from megatron_async.schedules.actions import (
     BackwardWeight,
     OptimizerStep,
     Schedule,
+    ScheduleError,
     is_comm,
     is_send,
     placement_of,
     tensor_key,
 )
-from megatron_async.schedules.validator import ScheduleError
 
 
 @dataclass(frozen=True)

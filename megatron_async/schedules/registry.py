@@ -12,6 +12,8 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
+from megatron_async.schedules.builtin import BUILTIN_SCHEDULES
+
 FuncRef = Union[str, Callable, None]
 
 
@@ -99,4 +101,5 @@ def _load_builtins() -> None:
     global _BUILTINS_LOADED
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        importlib.import_module("megatron_async.schedules.builtin")
+        for name, fields in BUILTIN_SCHEDULES.items():
+            register_schedule(name, **fields)

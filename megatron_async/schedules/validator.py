@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_async.schedules.actions import (
+from megatron_async.schedules.actions import (  # ScheduleError: raised here, defined with the actions
     MATCHING,
     PASS_TYPES,
     Backward,
@@ -37,16 +37,13 @@ from megatron_async.schedules.actions import (
     RecvActivation,
     RecvGrad,
     Schedule,
+    ScheduleError,
     SendActivation,
     SendGrad,
     is_comm,
     placement_of,
     tensor_key,
 )
-
-
-class ScheduleError(ValueError):
-    """A schedule that is wrong; the message names the stage, action index and fault."""
 
 
 @dataclass(frozen=True)
