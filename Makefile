@@ -27,8 +27,15 @@ $(STAMP): setup.py constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	@touch $(STAMP)
 
+# The quick tests run first and stop at the first failure, so a broken install shows in
+# under a minute (the layout, the wheel, schedules, a Megatron-Core model on the CPU).
+QUICK_TESTS := tests/test_layout.py tests/test_packaging.py tests/test_schedule_validator.py tests/test_simulator.py \
+	tests/test_tied_timing.py tests/test_cpu_emulation.py tests/test_megatron_on_cpu.py
+
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu --ignore=tests/cluster $(PYTEST_ARGS)
+	$(PY) -m pytest -q -x $(QUICK_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu --ignore=tests/cluster \
+		$(addprefix --ignore=,$(QUICK_TESTS)) $(PYTEST_ARGS)
 
 # A real two-node Slurm on this machine (root; Debian's slurm-wlm, munge, iproute2) and the image
 # built and run with podman (Debian's podman, runc, debootstrap): fails, saying why, without them.
@@ -53,7 +60,7 @@ demo: setup
 
 # Benchmarks (minutes to an hour on 2 cores; results and commands in docs/benchmarks.md)
 bench: setup
-	$(PY) -m bench.pipeline_throughput --json out/bench/pipeline_throughput.json
+	$(PY) -m bench.throughput.pipeline_throughput --json out/bench/pipeline_throughput.json
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
         print(__doc__)
         return 0 if argv else 2
-    from megatron_async.launcher_watch import exit_with_launcher
+    from megatron_async.megatron_lm.launcher_watch import exit_with_launcher
 
     exit_with_launcher()
     from megatron_async import cpu

@@ -1,11 +1,11 @@
-"""Summaries rebuilt from archived runs (bench/archive_summary.py), and the length
+"""Summaries rebuilt from archived runs (bench/delay/archive_summary.py), and the length
 table of docs/reproduction.md checked against the runs kept in bench/archive."""
 
 import json
 from pathlib import Path
 
-from bench import archive_summary, delay_length
-from bench.sweep_runner import run_name
+from bench.delay import archive_summary, delay_length
+from bench.delay.sweep_runner import run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = ("shakespeare_150", "shakespeare_600", "shakespeare_2400")
@@ -50,7 +50,7 @@ def test_a_rate_tried_in_sync_alone_is_reported_against_the_tuned_row(tmp_path):
 
 def test_the_length_table_in_the_docs_is_what_the_archived_runs_give():
     """Every row and the targets line of the length table in docs/reproduction.md are
-    what bench.delay_length prints for bench/archive; a run added to the archive
+    what bench.delay.delay_length prints for bench/archive; a run added to the archive
     without the doc being rebuilt fails here."""
     argv = [a for name in LENGTHS for a in ("--archive", str(ROOT / "bench" / "archive" / name))]
     result = delay_length.main(argv)

@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 def test_quick_soak_reports_pace_memory_and_bounded_sends(tmp_path, small_corpus):
-    from bench import soak
+    from bench.overhead import soak
 
     out = tmp_path / "soak"
     assert soak.main(["--quick", "--out", str(out), "--data", str(small_corpus)]) == 0
@@ -28,7 +28,7 @@ def test_quick_soak_reports_pace_memory_and_bounded_sends(tmp_path, small_corpus
 
 
 def test_quick_schedule_startup_reports_both_ways(tmp_path):
-    from bench import schedule_startup
+    from bench.throughput import schedule_startup
 
     out = tmp_path / "startup.json"
     assert schedule_startup.main(["--quick", "--pp", "4", "--microbatches", "4", "--json", str(out)]) == 0
@@ -39,7 +39,7 @@ def test_quick_schedule_startup_reports_both_ways(tmp_path):
 
 
 def test_quick_pipeline_throughput_reports_efficiency_and_prediction(tmp_path):
-    from bench import pipeline_throughput
+    from bench.throughput import pipeline_throughput
 
     out = tmp_path / "throughput.json"
     result = pipeline_throughput.main(["--quick", "--json", str(out)])
@@ -53,7 +53,7 @@ def test_quick_pipeline_throughput_reports_efficiency_and_prediction(tmp_path):
 
 
 def test_projection_reports_every_schedule_and_layout(tmp_path):
-    from bench import project
+    from bench.throughput import project
 
     result = project.main(["--json", str(tmp_path / "project.json")])
     rows = [r for r in result["rows"] if "efficiency" in r]
@@ -65,7 +65,7 @@ def test_projection_reports_every_schedule_and_layout(tmp_path):
 def test_quick_optimizer_cost_splits_newton_schulz_between_ranks(tmp_path):
     """With the layer-wise distributed optimizer each matrix is orthogonalised once, by
     one rank: the ranks' calls add up to what every rank does without it."""
-    from bench import optimizer_cost
+    from bench.overhead import optimizer_cost
 
     rows = optimizer_cost.main(["--quick", "--json", str(tmp_path / "opt.json")])["rows"]
     assert all(r["step_s"] > 0 and r["fwd_bwd_s"] > 0 for r in rows.values())
@@ -78,7 +78,7 @@ def test_quick_optimizer_cost_splits_newton_schulz_between_ranks(tmp_path):
 
 
 def test_quick_torch_pipelining_reports_its_schedules(tmp_path):
-    from bench import torch_pipelining
+    from bench.throughput import torch_pipelining
 
     result = torch_pipelining.main(["--quick", "--json", str(tmp_path / "tp.json")])
     assert set(result["s_per_microbatch"]) == {"pp1_m4", "1f1b_m4", "zbv_m4"} and not result["errors"]
@@ -87,7 +87,7 @@ def test_quick_torch_pipelining_reports_its_schedules(tmp_path):
 
 
 def test_quick_stage_breakdown_times_each_rank_inside_its_iterations(tmp_path):
-    from bench import stage_breakdown
+    from bench.throughput import stage_breakdown
 
     result = stage_breakdown.main(["--quick", "--json", str(tmp_path / "breakdown.json")])
     assert set(result["busy"]) == {"pp1_m4", "2bw_m4_2+1+loss"}
@@ -102,7 +102,7 @@ def test_quick_stage_breakdown_times_each_rank_inside_its_iterations(tmp_path):
 
 
 def test_quick_stash_overhead_times_every_mode(tmp_path):
-    from bench import stash_overhead
+    from bench.overhead import stash_overhead
 
     out = tmp_path / "stash.json"
     result = stash_overhead.main(["--quick", "--json", str(out)])
@@ -113,7 +113,7 @@ def test_quick_stash_overhead_times_every_mode(tmp_path):
 
 
 def test_quick_muon_matmul_precision_times_both_settings(tmp_path):
-    from bench import muon_matmul_precision
+    from bench.overhead import muon_matmul_precision
 
     rows = muon_matmul_precision.main(["--quick", "--json", str(tmp_path / "p.json")])["rows"]
     assert rows and all(r["medium_ms"] > 0 and r["high_ms"] > 0 for r in rows.values())

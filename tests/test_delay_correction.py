@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from megatron_async.delay_correction import DelayCorrection, ErrorFeedbackOptimizer, torch_optimizers
+from megatron_async.corrections.delay_correction import DelayCorrection, ErrorFeedbackOptimizer, torch_optimizers
 from megatron_async.testing.launch import torchrun_megatron
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT

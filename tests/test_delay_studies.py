@@ -1,4 +1,4 @@
-"""bench/delay_studies.py: the MoE, momentum and size reports rebuilt from archived runs,
+"""bench/delay/delay_studies.py: the MoE, momentum and size reports rebuilt from archived runs,
 and docs/reproduction.md's tables for them checked against bench/archive."""
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import delay_studies
-from bench.sweep_runner import PRESETS, Model, run_name
+from bench.delay import delay_studies
+from bench.delay.sweep_runner import PRESETS, Model, run_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,7 @@ DOC_STUDIES = {  # report argv -> the archives it needs and their modes (a study
 def shown_table(doc: str, study: str) -> bool:
     """Whether the doc shows a table between the study's report markers: a partial table
     shown there (some runs still missing) is checked like a complete one."""
-    start = f"<!-- bench.delay_studies {study} -->"
+    start = f"<!-- bench.delay.delay_studies {study} -->"
     if start not in doc:
         return False
     block = doc.split(start, 1)[1].split("<!-- end -->", 1)[0]
@@ -164,7 +164,7 @@ def shown_table(doc: str, study: str) -> bool:
 
 
 def test_a_partial_table_in_the_docs_is_checked():
-    doc = "x\n<!-- bench.delay_studies size -->\n<!-- end -->\n| a | b |\n"
+    doc = "x\n<!-- bench.delay.delay_studies size -->\n<!-- end -->\n| a | b |\n"
     assert not shown_table(doc, "size") and not shown_table(doc, "moe")
     assert shown_table(doc.replace("size -->\n", "size -->\n| model |\n"), "size")
 

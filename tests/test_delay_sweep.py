@@ -1,4 +1,4 @@
-"""bench/delay_sweep.py keeps working: --quick runs, summarises, plots and resumes."""
+"""bench/delay/delay_sweep.py keeps working: --quick runs, summarises, plots and resumes."""
 
 import json
 import math
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _sweep(out, data, *extra):
-    cmd = [sys.executable, "-m", "bench.delay_sweep", "--quick", "--out", str(out), "--data", str(data), *extra]
+    cmd = [sys.executable, "-m", "bench.delay.delay_sweep", "--quick", "--out", str(out), "--data", str(data), *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -47,7 +47,7 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
     second = _sweep(out, small_corpus, "--archive", str(archive), "--muon-nesterov-sync", "--optimizers", "muon")
     assert second.count("skipped (done before)") == 3, second
     # the length report reads the summary
-    from bench import delay_length
+    from bench.delay import delay_length
 
     rows = delay_length.main([str(out / "summary.json")])["rows"]
     assert {r["optimizer"] for r in rows} == {"muon"} and all(r["iters"] == 20 for r in rows)
@@ -55,7 +55,7 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
 
 def test_archived_results_are_reused(tmp_path):
     """A run whose result is in the archive (kept in the repository) is not run again."""
-    from bench.sweep_runner import Model, Run, execute
+    from bench.delay.sweep_runner import Model, Run, execute
 
     archive = tmp_path / "archive"
     archive.mkdir()
@@ -70,7 +70,7 @@ def test_archived_results_are_reused(tmp_path):
 def test_quick_with_neither_adam_nor_muon_names_the_flag(capsys):
     """--quick runs AdamW's and Muon's runs only: asked for others alone it refuses
     rather than run two optimizers nobody asked for."""
-    from bench.delay_sweep import parse
+    from bench.delay.delay_sweep import parse
 
     assert parse(["--quick", "--optimizers", "muon,lion"]).quick
     with pytest.raises(SystemExit):
@@ -81,7 +81,7 @@ def test_quick_with_neither_adam_nor_muon_names_the_flag(capsys):
 def test_fixed_lr_parses_and_bad_values_name_the_flag(capsys):
     import pytest
 
-    from bench.delay_sweep import parse
+    from bench.delay.delay_sweep import parse
 
     assert parse(["--lr", "adam=0.002,muon=8e-3"]).fixed_lr == {"adam": 0.002, "muon": 0.008}
     assert parse([]).fixed_lr == {}
@@ -93,7 +93,7 @@ def test_fixed_lr_parses_and_bad_values_name_the_flag(capsys):
 
 def test_lr_grid_narrows_the_search_and_bad_values_name_the_flag(capsys):
     """--lr-grid re-tunes around a rate: only the rates given are searched."""
-    from bench.delay_sweep import parse
+    from bench.delay.delay_sweep import parse
 
     assert parse(["--lr-grid", "adam=0.002:1e-3,muon=0.008"]).lr_grid == {"adam": [0.001, 0.002], "muon": [0.008]}
     assert parse([]).lr_grid == {}
@@ -114,7 +114,7 @@ def _summary(iters, opt, lr, sync, async_, ef):
 def test_length_report_picks_each_lengths_rate_by_sync_loss_alone(tmp_path):
     """Re-tuning per length: of two Muon rates at one length, the targets read the one
     with the lower sync loss, whichever has the smaller gap."""
-    from bench import delay_length
+    from bench.delay import delay_length
 
     adam = _summary(2400, "adam", 0.002, 4.2, 4.8, 4.3)
     for low_sync_lr in (0.016, 0.008):
@@ -136,7 +136,7 @@ def test_length_report_picks_each_lengths_rate_by_sync_loss_alone(tmp_path):
 def test_length_report_compares_rates_on_the_seeds_they_share(tmp_path):
     """A rate whose second seed has not finished is judged on seed 0 against the
     others' seed 0, not against their two-seed mean (which seed 1 may pull down)."""
-    from bench import delay_length
+    from bench.delay import delay_length
 
     def summary(lr, sync_runs):
         s = _summary(2400, "muon", lr, sum(sync_runs) / len(sync_runs), 4.2, 4.1)
@@ -157,7 +157,7 @@ def test_length_report_compares_rates_on_the_seeds_they_share(tmp_path):
 def test_the_targets_give_each_seeds_own_recovery(tmp_path):
     """EF's share of a small gap varies by seed: the targets line gives each seed's
     share next to the share of the mean gap."""
-    from bench import delay_length
+    from bench.delay import delay_length
 
     adam, muon = _summary(2400, "adam", 0.002, 4.2, 4.8, 4.3), _summary(2400, "muon", 0.008, 4.0, 4.1, 4.05)
     muon["table"]["muon"]["sync"]["runs"] = [4.0, 4.0]
@@ -175,7 +175,7 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(small_corpus, tmp_path):
     """--save-interval: a run stopped at a checkpoint (here by Megatron's --exit-interval,
     as a session's end would stop it) continues from there on the next invocation, and
     its metrics cover every step once."""
-    from bench.sweep_runner import Model, Run, execute
+    from bench.delay.sweep_runner import Model, Run, execute
 
     model = Model(num_layers=2, hidden_size=64, seq_length=64, micro_batch_size=4, global_batch_size=8,
                   iters=20, eval_interval=10, eval_iters=2, save_interval=10)
@@ -200,7 +200,7 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(small_corpus, tmp_path):
 def test_an_archived_run_of_another_model_or_recipe_is_not_reused(tmp_path):
     """Runs are archived by name only (optimizer, lr, mode, seed): a run of another
     network, or with another Newton-Schulz precision, must not stand in for this one."""
-    from bench.sweep_runner import PRESETS, Model, Run, execute
+    from bench.delay.sweep_runner import PRESETS, Model, Run, execute
 
     dense = Model()
     archive = tmp_path / "archive"
@@ -219,7 +219,7 @@ def test_an_archived_run_of_another_model_or_recipe_is_not_reused(tmp_path):
 def test_presets_and_their_sizes():
     """dense-large has at least 4x the dense model's parameters; the MoE model has 8
     experts, top-2, each half the dense MLP's width (so about the dense active size)."""
-    from bench.sweep_runner import PRESETS, Model
+    from bench.delay.sweep_runner import PRESETS, Model
 
     dense, large, moe = (Model(**PRESETS[k]) for k in ("dense", "dense-large", "moe"))
     assert large.parameters() >= 4 * dense.parameters()
@@ -236,7 +236,7 @@ def test_presets_and_their_sizes():
 def test_quick_moe_sweep_keeps_routing_and_megatrons_parameter_count(small_corpus, tmp_path):
     import sentencepiece
 
-    from bench.sweep_runner import PRESETS, Model
+    from bench.delay.sweep_runner import PRESETS, Model
 
     out = tmp_path / "moe"
     _sweep(out, small_corpus, "--model", "moe", "--muon-matmul-prec", "high", "--optimizers", "muon")

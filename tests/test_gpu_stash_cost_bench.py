@@ -1,11 +1,11 @@
-"""bench.gpu_stash_cost's arithmetic and its refusal without CUDA (the GPU run itself is
+"""bench.overhead.gpu_stash_cost's arithmetic and its refusal without CUDA (the GPU run itself is
 in docs/benchmarks.md)."""
 
 import argparse
 
 import pytest
 
-from bench import gpu_stash_cost
+from bench.overhead import gpu_stash_cost
 
 
 def test_ratio_and_extra_memory_come_from_the_runs():

@@ -22,7 +22,7 @@
 import pytest
 import torch
 
-from megatron_async.delay_correction import DC_BETA, DC_EPS, DelayCorrectedOptimizer
+from megatron_async.corrections.delay_correction import DC_BETA, DC_EPS, DelayCorrectedOptimizer
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT
 from megatron_async.testing.trajectory import assert_same_trajectory
@@ -87,7 +87,7 @@ def test_2bw_with_dc_asgd_equals_simulated_delay_with_dc_asgd():
 def prediction_rule_entry(rank, world_size, alpha):
     """Set the live weights by hand around two steps; return what the stash holds."""
     from megatron_async.testing.tiny_gpt import build
-    from megatron_async.weight_stash import WeightStashManager
+    from megatron_async.stash.weight_stash import WeightStashManager
 
     model, _, _ = build(TinyGPT(**COMMON))
     stash = WeightStashManager(model, depth=1, predict=alpha)

@@ -91,8 +91,8 @@ def _muon_run_entry(rank, world_size, flags, steps):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from megatron_async.model import build_gpt_chunks, wrap_ddp
-    from megatron_async.parallel import init_model_parallel
+    from megatron_async.testing.model import build_gpt_chunks, wrap_ddp
+    from megatron_async.testing.parallel import init_model_parallel
     from megatron_async.testing.tiny_gpt import init_by_global_name, transformer_config
 
     spec = TinyGPT(init_by_name=True, num_layers=2, hidden_size=32, seq_length=16)

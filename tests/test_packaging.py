@@ -27,14 +27,21 @@ def _source_modules(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in (root / "megatron_async").rglob("*.py")}
 
 
+def _copy(tmp_path) -> Path:
+    """The sources, copied, so that building leaves nothing in the checkout."""
+    copy = tmp_path / "src"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "data", "out", "build", "*.egg-info",
+                                                              "__pycache__", ".pytest_cache", "archive"))
+    return copy
+
+
 def test_the_wheel_holds_every_module(tmp_path):
-    assert _source_modules(REPO) - _wheel_modules(REPO, tmp_path / "wheel") == set()
+    copy = _copy(tmp_path)
+    assert _source_modules(copy) - _wheel_modules(copy, tmp_path / "wheel") == set()
 
 
 def test_negative_control_a_folder_without_init_is_left_out(tmp_path):
-    copy = tmp_path / "src"
-    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".venv", ".git", "data", "out", "build", "*.egg-info",
-                                                              "__pycache__", ".pytest_cache"))
+    copy = _copy(tmp_path)
     (copy / "megatron_async" / "megatron_lm" / "__init__.py").unlink()
     missing = _source_modules(copy) - _wheel_modules(copy, tmp_path / "wheel")
     assert missing and all(name.startswith("megatron_async/megatron_lm/") for name in missing), missing

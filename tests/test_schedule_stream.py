@@ -35,7 +35,7 @@ def test_the_validator_accepts_streamed_lists(p, m):
 
 def test_what_a_stream_holds_does_not_grow_with_the_run():
     """A 100k-batch stream holds the same template as a 6-batch one, and still gives the
-    segment of its last batch (timings: bench/schedule_startup.py)."""
+    segment of its last batch (timings: bench/throughput/schedule_startup.py)."""
     def held(stream):
         return sum(len(seg) for segments, tail in stream._pieces for seg in segments + [tail])
 

@@ -14,10 +14,10 @@ import contextlib
 import pytest
 import torch
 
-from megatron_async.forward_step import gpt_forward_step, reduce_lm_loss
+from megatron_async.testing.forward_step import gpt_forward_step, reduce_lm_loss
 from megatron_async.pipeline.grad_stats import stage_of_parameter
 from megatron_async.schedules.registry import get_forward_backward_func
-from megatron_async.simulated_delay import parse_delays, pipedream_delays
+from megatron_async.corrections.simulated_delay import parse_delays, pipedream_delays
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT, build, full_named_params, microbatches, train_entry
 

@@ -5,7 +5,7 @@ flat stash buffer straight to a new host tensor. Recorded on a real stash (a tin
 in Megatron's DDP) with a dispatch mode that sees every tensor op the save runs: the
 only ops are copies whose output is on the host, one per flat buffer, and the bytes
 they produce are the stash's own bytes, the plan's `save_host` term
-(megatron_async/plan.py), while its GPU term `save_gpu` is zero. The same recorder
+(megatron_async/planning/plan.py), while its GPU term `save_gpu` is zero. The same recorder
 finds the device-side clone of the former save (negative control).
 """
 
@@ -34,7 +34,7 @@ class _Recorder(TorchDispatchMode):
 
 def _save_entry(rank, world_size):
     from megatron_async.testing.tiny_gpt import build
-    from megatron_async.weight_stash import WeightStashManager
+    from megatron_async.stash.weight_stash import WeightStashManager
 
     model, _, _ = build(TinyGPT(num_layers=2))
     stash = WeightStashManager(model, depth=1)

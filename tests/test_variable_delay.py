@@ -1,4 +1,4 @@
-"""bench/variable_delay.py keeps working: --quick runs both delayed variants at P in {2, 4}."""
+"""bench/delay/variable_delay.py keeps working: --quick runs both delayed variants at P in {2, 4}."""
 
 import json
 import math
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_quick_variable_delay_ablation(small_corpus, tmp_path):
     out = tmp_path / "vd"
-    cmd = [sys.executable, "-m", "bench.variable_delay", "--quick", "--out", str(out), "--data", str(small_corpus)]
+    cmd = [sys.executable, "-m", "bench.delay.variable_delay", "--quick", "--out", str(out), "--data", str(small_corpus)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -7,4 +7,4 @@ PYTHON=${PYTHON:-.venv/bin/python}
 export RUN_DIR=${RUN_DIR:-/tmp/moe_10b_plan} MOCK_DATA=${MOCK_DATA:-1}
 # shellcheck source=examples/moe_10b/flags.sh
 source examples/moe_10b/flags.sh
-exec "$PYTHON" -m megatron_async.plan --world-size "${WORLD_SIZE:-32}" "$@" -- "${TRAIN_ARGS[@]}"
+exec "$PYTHON" -m megatron_async.planning.plan --world-size "${WORLD_SIZE:-32}" "$@" -- "${TRAIN_ARGS[@]}"

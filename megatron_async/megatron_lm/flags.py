@@ -12,7 +12,7 @@ import argparse
 import os
 import re
 
-from megatron_async.simulated_delay import parse_delays
+from megatron_async.corrections.simulated_delay import parse_delays
 
 
 class FlagError(ValueError):
@@ -396,7 +396,7 @@ def _check_correction_state(args: argparse.Namespace, held: dict) -> None:
     as at iteration 1); turned off, the saved state is left unused. One correction
     swapped for another is refused: their saved states differ, and weight prediction
     keeps a stash of another shape."""
-    from megatron_async.delay_correction import RULES
+    from megatron_async.corrections.delay_correction import RULES
 
     where, saved_rule, rule = held["loaded_from"], held.get("delay_correction_rule"), args.delay_correction
     if saved_rule is not None and saved_rule != rule:  # None: saved before the rule was recorded

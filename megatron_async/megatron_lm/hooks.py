@@ -78,7 +78,7 @@ def _get_megatron_optimizer(original):
 
         margs = get_args()
         if margs.layout_invariant_init:
-            from megatron_async.layout_invariant_init import init_by_global_name, megatron_like
+            from megatron_async.megatron_lm.layout_invariant_init import init_by_global_name, megatron_like
 
             init_by_global_name(model_chunks, margs.seed, megatron_like(margs.init_method_std, margs.num_layers))
         if margs.simulated_delay and margs.simulated_pipeline_stages > 1:
@@ -504,7 +504,7 @@ def install() -> None:
         original = getattr(module, hook.name)
         _INSTALLED[(hook.module, hook.name)] = original
         setattr(module, hook.name, hook.wrap(original))
-    from megatron_async.launcher_watch import exit_with_launcher
+    from megatron_async.megatron_lm.launcher_watch import exit_with_launcher
     from megatron_async.megatron_lm.failures import install_excepthook
 
     exit_with_launcher()  # every entry installs the hooks: launch, the console scripts, a patched script

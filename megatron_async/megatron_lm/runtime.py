@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from megatron.core import parallel_state
 
-from megatron_async.delay_correction import RULES
+from megatron_async.corrections.delay_correction import RULES
 from megatron_async.megatron_lm.checkpoint import snapshot_rng
 from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 
@@ -49,13 +49,13 @@ class DelayedStepOptimizer:
         return getattr(self.optimizer, name)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        from megatron_async.per_rank_state import add_state
+        from megatron_async.stash.per_rank_state import add_state
 
         state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if STATE.stale_norm is not None:
             add_state(state, STALE_NORM_KEY, STATE.stale_norm.state_dict, is_loading, self.load_stale_norm)
         if not is_loading or (self.load_stash and STATE.resumed.get("stash_layout") == "sharded"):
-            from megatron_async import stash_checkpoint
+            from megatron_async.stash import checkpoint as stash_checkpoint
 
             # laid out like the model's weights, so torch_dist reshards it with them
             state[STASH_KEY] = stash_checkpoint.sharded_state_dict(self.stash, model_sharded_state_dict)
@@ -63,7 +63,7 @@ class DelayedStepOptimizer:
         return add_state(state, STASH_KEY, self.stash.state_dict, is_loading, self.load_stash)  # older checkpoints
 
     def load_state_dict(self, state_dict) -> None:
-        from megatron_async.per_rank_state import pop_state
+        from megatron_async.stash.per_rank_state import pop_state
 
         if STATE.stale_norm is not None:
             state_dict = pop_state(state_dict, STALE_NORM_KEY, STATE.stale_norm.load_state_dict)
@@ -77,7 +77,7 @@ class DelayedStepOptimizer:
         if not self.load_stash:  # not asked for: torch_dist still returns its plain values (common state)
             return
         if "sharded_slots" in state:
-            from megatron_async import stash_checkpoint
+            from megatron_async.stash import checkpoint as stash_checkpoint
 
             stash_checkpoint.load(self.stash, state)
         else:  # a per-rank object, as checkpoints before the sharded layout hold it
@@ -110,14 +110,14 @@ def wrap_optimizer(model, optimizer):
     if not (two_bw or args.simulated_delay):
         return optimizer
     from megatron_async.pipeline.grad_stats import make_stage_local
-    from megatron_async.weight_stash import WeightStashManager
+    from megatron_async.stash.weight_stash import WeightStashManager
 
     if two_bw:
         make_stage_local(optimizer, args.use_distributed_optimizer)
     resumed = STATE.resumed = saved_contents(args) if args.load else {}
     in_optimizer = resumed.get("per_rank_state", "optimizer") == "optimizer"  # else in per-rank files
     if args.delay_correction in RULES:
-        from megatron_async.delay_correction import DelayCorrectedOptimizer
+        from megatron_async.corrections.delay_correction import DelayCorrectedOptimizer
         from megatron_async.megatron_lm.flags import nesterov_beta
 
         optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
@@ -321,7 +321,7 @@ def simulated_delay(forward_backward):
             stash.point_to(stash.newest)
             return forward_backward(model=model, forward_only=True, **kwargs)
         if STATE.version_for is None:
-            from megatron_async.simulated_delay import version_for_step
+            from megatron_async.corrections.simulated_delay import version_for_step
 
             args = get_args()
             chunks = model if isinstance(model, list) else [model]

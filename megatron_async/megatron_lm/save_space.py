@@ -5,7 +5,7 @@ keep, leaving a partial shard that a rerun trains past and fails on again. Befor
 training, every rank compares the free space of --save's file system with the size
 of one checkpoint of this run: one replica of the parameters (data-parallel copies
 are saved once), each at `bytes_per_parameter` (the plan's checkpoint term,
-megatron_async/plan.py), and refuses, naming both numbers, when it does not fit.
+megatron_async/planning/plan.py), and refuses, naming both numbers, when it does not fit.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_async.pipeline.p2p import PendingSends, StageLinks, post_run
 from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, RecvActivation, SendActivation, is_comm
-from megatron_async.weight_stash import WeightStashManager
+from megatron_async.stash.weight_stash import WeightStashManager
 
 
 class StageExecutor:

@@ -25,7 +25,7 @@ from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
 from megatron_async.pipeline.weight_caches import disable_first_microbatch_caches
 from megatron_async.schedules.stream_2bw import TwoBWStream
-from megatron_async.weight_stash import WeightStashManager
+from megatron_async.stash.weight_stash import WeightStashManager
 
 
 class TwoBWRunner:

@@ -1,7 +1,7 @@
 """A tiny Megatron-Core GPT with any TP/PP/EP/DP layout, for multi-rank tests.
 
-Everything is built with the product's own builders (`megatron_async.model`,
-`megatron_async.parallel`) and Megatron's DDP and optimizer; only the sizes are
+Everything is built with the product's own builders (`megatron_async.testing.model`,
+`megatron_async.testing.parallel`) and Megatron's DDP and optimizer; only the sizes are
 tiny and the data is seeded random tokens, identical on every rank, so runs with
 different layouts see the same global batches and can be compared.
 """
@@ -20,12 +20,12 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_async import layout_invariant_init
-from megatron_async.forward_step import gpt_forward_step, reduce_lm_loss
-from megatron_async.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
-from megatron_async.parallel import init_model_parallel
+from megatron_async.megatron_lm import layout_invariant_init
+from megatron_async.testing.forward_step import gpt_forward_step, reduce_lm_loss
+from megatron_async.testing.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
+from megatron_async.testing.parallel import init_model_parallel
 from megatron_async.schedules.registry import get_forward_backward_func
-from megatron_async.simulated_delay import version_for_step
+from megatron_async.corrections.simulated_delay import version_for_step
 
 
 @dataclass
@@ -215,7 +215,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
     """Train `iterations` steps; return losses (last stage), grad flags and final weights."""
     from megatron_async.pipeline.grad_stats import make_stage_local
     from megatron_async.pipeline.two_bw import TwoBWRunner
-    from megatron_async.weight_stash import WeightStashManager
+    from megatron_async.stash.weight_stash import WeightStashManager
 
     model, optimizer, config = build(spec)
     schedule = spec.schedule or ("1f1b" if spec.pp > 1 else "no-pipelining")

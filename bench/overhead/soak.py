@@ -1,0 +1,117 @@
+"""Soak benchmark: a long 2bw run must keep its pace and its memory.
+
+    python -m bench.overhead.soak                      # 5,000 iterations, about 10 minutes on 2 cores
+    python -m bench.overhead.soak --quick              # 100 iterations (what the smoke test runs)
+
+Trains a small GPT (4 layers, hidden 64, seq 64, micro-batch 2, global batch 8) on
+the Shakespeare corpus with `--pipeline-schedule 2bw` at PP=2 on 2 CPU processes, in
+Megatron's own training loop, checkpointing every 500 iterations (Megatron's
+checkpoints, stash included), and reads each rank's `--rank-stats-dir`
+records (mean s/iter, RSS, pending point-to-point sends every 100 iterations).
+
+Targets (issue 13), per rank: the mean time per iteration of the last 500
+iterations within 5% of that of iterations 500-1,000, and RSS growth after
+iteration 500 below 20 MB. `--quick` scales the windows to the run length and
+checks nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from bench.delay.sweep_runner import prepare_dirs
+from megatron_async.testing.launch import torchrun_megatron
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--position-embedding-type", "learned_absolute",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--untie-embeddings-and-output-weights",
+         "--rerun-mode", "disabled", "--num-workers", "0",
+         "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--optimizer", "adam",
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "50"]
+TIME_TOLERANCE = 0.05
+RSS_GROWTH_MB = 20.0
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _window_mean(records: list[dict], first: int, last: int) -> float:
+    """Mean s/iter of iterations first+1..last, from records that each cover the interval before them."""
+    values = [r["s_per_iter"] for r in records if first < r["iteration"] <= last]
+    return statistics.fmean(values)
+
+
+def summarise(stats_dir: Path, iters: int, settle: int) -> dict:
+    """Per rank: early and late pace, RSS after `settle` and its growth, pending sends."""
+    ranks = {}
+    for path in sorted(stats_dir.glob("rank*.jsonl")):
+        records = _records(path)
+        early = _window_mean(records, settle, 2 * settle)
+        late = _window_mean(records, iters - settle, iters)
+        rss_settled = next(r["rss_mb"] for r in records if r["iteration"] >= settle)
+        after = [r["rss_mb"] for r in records if r["iteration"] >= settle]
+        ranks[path.stem] = {
+            "s_per_iter_early": early,
+            "s_per_iter_late": late,
+            "late_over_early": late / early,
+            "rss_mb_at_settle": rss_settled,
+            "rss_mb_max_after": max(after),
+            "rss_growth_mb": max(after) - rss_settled,
+            "pending_sends": sorted({r.get("pending_sends") for r in records}),
+            "curve": [(r["iteration"], r["s_per_iter"], r["rss_mb"]) for r in records],
+        }
+    return ranks
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--quick", action="store_true", help="100 iterations, no target check")
+    p.add_argument("--out", default="out/soak")
+    p.add_argument("--data", default="data/shakespeare", help="prepared corpus (megatron-async-prepare-data)")
+    args = p.parse_args(argv)
+    iters = 100 if args.quick else args.iters
+    settle = max(iters // 10, 1) if args.quick else 500
+    interval = max(iters // 50, 1) if args.quick else 100
+    root, data, _ = prepare_dirs(args.out, args.data, None)
+    stats_dir = root / "rank_stats"
+    cmd = MODEL + [
+        "--train-data-path", data / "train_text_document", "--valid-data-path", data / "valid_text_document",
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", data / "tokenizer.model",
+        "--data-cache-path", root / "cache", "--train-iters", str(iters), "--log-interval", str(interval),
+        "--eval-interval", str(settle), "--eval-iters", "2", "--save", root / "ckpt", "--save-interval",
+        str(settle), "--rank-stats-dir", stats_dir, "--metrics-json", root / "metrics.jsonl",
+    ]
+    started = time.monotonic()
+    proc = torchrun_megatron(cmd, nproc=2, timeout_s=4 * 3600, warm=False)  # the real launcher: it is measured
+    if proc.returncode != 0:
+        print(proc.stdout[-5000:])
+        return proc.returncode
+    ranks = summarise(stats_dir, iters, settle)
+    met = all(r["late_over_early"] <= 1 + TIME_TOLERANCE and r["rss_growth_mb"] < RSS_GROWTH_MB
+              for r in ranks.values())
+    summary = {"iters": iters, "settle": settle, "seconds": round(time.monotonic() - started, 1),
+               "command": "torchrun --nproc-per-node 2 -m megatron_async.launch --gpt " + " ".join(map(str, cmd)),
+               "targets_met": None if args.quick else met, "ranks": ranks}
+    (root / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"soak: {iters} iterations in {summary['seconds']:.0f} s")
+    print("| rank | s/iter, iterations "
+          f"{settle + 1}-{2 * settle} | s/iter, last {settle} | late / early | RSS at {settle} (MB) | "
+          f"RSS growth after {settle} (MB) | pending sends |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in ranks.items():
+        print(f"| {name} | {r['s_per_iter_early']:.4f} | {r['s_per_iter_late']:.4f} | {r['late_over_early']:.3f} | "
+              f"{r['rss_mb_at_settle']:.1f} | {r['rss_growth_mb']:.1f} | {r['pending_sends']} |")
+    if not args.quick:
+        print(f"targets (late/early <= {1 + TIME_TOLERANCE}, RSS growth < {RSS_GROWTH_MB} MB): "
+              + ("met" if met else "NOT met"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

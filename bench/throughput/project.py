@@ -1,0 +1,343 @@
+"""Cost model: what 1F1B, interleaved 1F1B and 2BW give on a GPU cluster.
+
+A schedule's throughput is set by what each stage's passes cost and what waits
+between them; the simulator (`megatron_async.schedules.simulator`) computes the
+waits from the same action lists the runtime uses. This module supplies the costs:
+
+- compute: FLOPs per pass of each stage (transformer layers, embedding, output
+  layer) at a stated model FLOP utilisation (MFU) of the GPU's peak;
+- point-to-point: one activation (micro-batch x sequence x hidden, bf16) over the
+  link between two stages, plus a latency;
+- MoE: each MoE layer's all-to-all dispatch and combine over the expert-parallel
+  group, forward and backward, not overlapped with compute;
+- optimizer: the distributed optimizer's reduce-scatter of gradients and
+  all-gather of parameters over the data-parallel group, the update's memory
+  traffic (Adam) and Muon's Newton-Schulz FLOPs, spread over the data-parallel
+  ranks by the layer-wise distributed optimizer;
+- 1F1B's global gradient-norm all-reduce across stages at each step (2BW clips per
+  stage and has none).
+
+Validation on CPU: `predict_cpu` turns per-stage costs measured on this machine
+(bench/throughput/stage_costs.py) into the s / microbatch of each configuration of
+bench/throughput/pipeline_throughput.py, which reports both side by side.
+
+    .venv/bin/python -m bench.throughput.project --json out/bench/project.json --plot docs/img/projection.png
+
+prints the projection for the 10B MoE (examples/moe_10b/flags.sh) on 8-GPU H100
+nodes at PP = 4, 8, 16 and m = p, 2p, 4p; every assumption is in ASSUMPTIONS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_async.schedules.generators import generate
+from megatron_async.schedules.simulator import simulate
+
+SIM_BATCHES = 6  # batches per simulated run; the simulator's rate uses the middle ones
+
+
+@dataclass(frozen=True)
+class Model:
+    """A GPT's shape; MoE when experts > 0 (every layer MoE, SwiGLU experts)."""
+    layers: int = 24
+    hidden: int = 2048
+    heads: int = 16
+    seq: int = 4096
+    vocab: int = 50304
+    ffn: int = 0  # dense MLP width (0: no dense MLP)
+    swiglu: bool = True
+    experts: int = 64
+    expert_ffn: int = 1024
+    topk: int = 8
+
+
+MOE_10B = Model()  # examples/moe_10b/flags.sh: OLMoE-1B-7B's layer x 24
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware, each number with its source in ASSUMPTIONS."""
+    peak_flops: float = 989e12  # H100 SXM dense BF16
+    mfu: float = 0.40
+    gpus_per_node: int = 8
+    nvlink_bytes_s: float = 450e9  # per GPU, one direction
+    ib_bytes_s: float = 50e9  # per GPU, one 400 Gb/s NIC
+    link_latency_s: float = 10e-6
+    hbm_bytes_s: float = 3.35e12
+    ns_mfu: float = 0.5  # Newton-Schulz GEMMs are large and square
+
+
+H100 = Cluster()
+
+ASSUMPTIONS = {
+    "peak_flops": "989 TFLOP/s dense BF16, NVIDIA H100 SXM5 datasheet",
+    "mfu": "40% of peak for the passes (stated, not measured; --mfu changes it); dense Megatron GPT runs "
+           "on H100 report 40-50% (NVIDIA Megatron-LM README), MoE less",
+    "nvlink_bytes_s": "450 GB/s per GPU per direction, NVLink 4 (900 GB/s bidirectional, H100 SXM5 datasheet)",
+    "ib_bytes_s": "50 GB/s per GPU: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100)",
+    "link_latency_s": "10 microseconds per message (stated)",
+    "hbm_bytes_s": "3.35 TB/s HBM3, H100 SXM5 datasheet",
+    "ns_mfu": "50% of peak for Newton-Schulz GEMMs (stated)",
+    "layout": "DP=8 per stage on one node (EP=8 over it, TP=1), stages on different nodes: "
+              "pipeline p2p crosses InfiniBand, DP and EP traffic stays on NVLink",
+    "flops": "forward 2 FLOPs per multiply-add of every GEMM (QKV, attention scores and values with a "
+             "causal half, projection, router, top-k experts, output layer); backward 2x forward, split "
+             "evenly into input and weight gradients",
+    "optimizer": "Adam: 16 bytes of optimizer state + 4 of gradient + 2 of parameter per parameter, read "
+                 "and written once, divided over DP ranks; Muon: 5 Newton-Schulz iterations of "
+                 "4mn^2+2m^3 FLOPs for an m x n matrix (m <= n), layer-wise over DP ranks; distributed "
+                 "optimizer: reduce-scatter of bf16 gradients and all-gather of bf16 parameters of the "
+                 "non-expert parameters over DP (experts are EP-sharded, expert DP = 1)",
+}
+
+
+def layer_flops(model: Model, tokens: int) -> float:
+    """Forward FLOPs of one transformer layer for `tokens` tokens (sequence model.seq)."""
+    h = model.hidden
+    attention = 2 * tokens * 4 * h * h + 2 * 2 * tokens * model.seq * h / 2  # projections + causal scores
+    if model.experts:
+        mlp = 2 * tokens * model.topk * (3 if model.swiglu else 2) * h * model.expert_ffn
+        mlp += 2 * tokens * h * model.experts  # router
+    else:
+        mlp = 2 * tokens * (3 if model.swiglu else 2) * h * model.ffn
+    return attention + mlp
+
+
+def layer_params(model: Model) -> tuple[int, int]:
+    """(non-expert, expert) parameters of one layer."""
+    h = model.hidden
+    dense = 4 * h * h + (model.experts * h if model.experts else (3 if model.swiglu else 2) * h * model.ffn)
+    experts = model.experts * (3 if model.swiglu else 2) * h * model.expert_ffn
+    return dense, experts
+
+
+def split_layers(layers: int, stages: int) -> list[int]:
+    """As even as whole layers allow; the extra layers go to the middle stages, away from
+    the embedding and the output layer (what --pipeline-model-parallel-layout can express)."""
+    base, extra = divmod(layers, stages)
+    order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), abs(s - (stages - 1) / 2)))
+    counts = [base] * stages
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+@dataclass
+class StageCosts:
+    fwd: list[float]
+    bwd: list[float]
+    opt: list[float]
+    p2p: float
+    sync: float  # 1F1B's cross-stage gradient-norm all-reduce per step
+    detail: dict = field(default_factory=dict)
+
+
+def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8, mbs: int = 1,
+              optimizer: str = "muon") -> StageCosts:
+    """Per-stage seconds of one microbatch's forward and backward and of one optimizer step."""
+    tokens = mbs * model.seq
+    rate = cluster.peak_flops * cluster.mfu
+    counts = split_layers(model.layers, pp)
+    act_bytes = 2 * tokens * model.hidden
+    a2a = 0.0
+    if model.experts:  # dispatch + combine, (ep-1)/ep of the routed tokens leave the GPU
+        routed = 2 * tokens * model.topk * model.hidden * (ep - 1) / ep
+        a2a = 2 * (routed / cluster.nvlink_bytes_s + cluster.link_latency_s)
+    layer_f = layer_flops(model, tokens) / rate + a2a
+    layer_b = 2 * layer_flops(model, tokens) / rate + a2a
+    head = 2 * tokens * model.hidden * model.vocab / rate
+    dense, experts = layer_params(model)
+    fwd, bwd, opt = [], [], []
+    for s, n in enumerate(counts):
+        f, b = n * layer_f, n * layer_b
+        stage_dense = n * dense + (model.vocab * model.hidden if s in (0, pp - 1) else 0)
+        if s == pp - 1:
+            f, b = f + head, b + 2 * head
+        ring = (dp - 1) / dp * 2 * stage_dense  # bf16 bytes each way
+        comm = 2 * ring / cluster.nvlink_bytes_s  # reduce-scatter + all-gather
+        params_local = stage_dense / dp + n * experts / ep
+        update = 22 * params_local / cluster.hbm_bytes_s
+        if optimizer == "muon":
+            h = model.hidden
+            mats = [(3 * h, h), (h, h)] + ([(2 * model.expert_ffn, h), (h, model.expert_ffn)] * model.experts)
+            ns = n * sum(newton_schulz_flops(r, c) for r, c in mats) / dp
+            update += ns / (cluster.peak_flops * cluster.ns_mfu)
+        fwd.append(f)
+        bwd.append(b)
+        opt.append(comm + update)
+    p2p = act_bytes / cluster.ib_bytes_s + cluster.link_latency_s
+    sync = 2 * math.log2(max(pp, 2)) * cluster.link_latency_s
+    return StageCosts(fwd, bwd, opt, p2p, sync, detail={"layers_per_stage": counts})
+
+
+def simulate_config(schedule: str, pp: int, m: int, costs: StageCosts, chunks: int = 2) -> float:
+    """Seconds per microbatch (steady state) of `schedule` under `costs`."""
+    f, b = costs.fwd, costs.bwd
+    if schedule == "interleaved-1f1b":  # each piece holds half a stage
+        f, b = [x / chunks for x in f], [x / chunks for x in b]
+    result = simulate(generate(schedule, pp, m, SIM_BATCHES), fwd=f, bwd=b, opt=costs.opt, p2p=costs.p2p,
+                      sync_at_step=schedule != "2bw", sync_cost=costs.sync)
+    return 1.0 / result.throughput
+
+
+def predict_cpu(stages: dict, configs: list[tuple]) -> dict[str, float]:
+    """s / microbatch of bench/throughput/pipeline_throughput.py's configurations from costs measured on
+    this machine (bench/throughput/stage_costs.py): PP=1 is forward + backward + step / m; PP=2 runs the
+    simulator on the schedule's action lists (1F1B and interleaved with the step collective)."""
+    one = stages["pp1"][0]
+    two = stages.get("pp2")
+    costs = two and StageCosts([s["fwd"] for s in two], [s["bwd"] for s in two], [s["opt"] for s in two],
+                               p2p=two[0].get("p2p", 0.0), sync=0.0)
+    out = {}
+    for name, pp, m, extra in configs:
+        if pp == 1:
+            out[name] = one["fwd"] + one["bwd"] + one["opt"] / m
+            continue
+        if not costs or {"--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                         "--account-for-loss-in-pipeline-split"} & set(extra):
+            continue  # uneven layouts: the measured stage costs are for the even split
+        schedule = ("2bw" if "2bw" in extra else
+                    "interleaved-1f1b" if "--num-virtual-stages-per-pipeline-rank" in extra else "1f1b")
+        out[name] = simulate_config(schedule, pp, m, costs)
+    return out
+
+
+CONFIGURED_M = 64  # examples/moe_10b/flags.sh: global batch 512 / (micro-batch 1 x DP 8)
+
+
+def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: int = 1,
+            optimizer: str = "muon") -> list[dict]:
+    """Tokens/s per GPU and bubble for each (schedule, p, m), m = p, 2p, 4p and the
+    configuration's own m = 64."""
+    rows = []
+    for pp in pps:
+        costs = gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer)
+        ideal = (sum(costs.fwd) + sum(costs.bwd)) / pp  # perfectly balanced, no bubble, free step
+        for m in sorted({pp, 2 * pp, 4 * pp, CONFIGURED_M}):
+            for schedule in ("1f1b", "interleaved-1f1b", "2bw"):
+                if schedule == "interleaved-1f1b" and min(costs.detail["layers_per_stage"]) < 2:
+                    rows.append(dict(schedule=schedule, pp=pp, m=m, note="needs 2 layers per stage"))
+                    continue
+                t = simulate_config(schedule, pp, m, costs)
+                rows.append(dict(schedule=schedule, pp=pp, m=m, gpus=pp * dp, s_per_microbatch=t,
+                                 tokens_per_s_per_gpu=mbs * model.seq / t / pp,
+                                 efficiency=ideal / t, layers_per_stage=costs.detail["layers_per_stage"]))
+    return rows
+
+
+def zbv_region(fwd: float, bwd: float, opt: float, p2p: float, split_overhead: float,
+               pps=(2, 3, 4, 6, 8, 12, 16)) -> list[dict]:
+    """2BW against ZB-V for p stages and m = p..4p, on a model whose whole forward,
+    backward and optimizer step cost `fwd`, `bwd`, `opt` (measured at PP=1), split
+    evenly over the stages (balanced: the output layer's extra work is left out for
+    both). ZB-V's split backward costs (1 + split_overhead) x the plain one, its two
+    halves equal; it flushes with a step collective, 2BW steps per stage."""
+    rows = []
+    for pp in pps:
+        f, b, o = fwd / pp, bwd / pp, opt / pp
+        costs = StageCosts([f] * pp, [b] * pp, [o] * pp, p2p=p2p, sync=0.0)
+        for m in sorted({pp, 2 * pp - 1, 2 * pp, 3 * pp, 4 * pp}):
+            two = 1.0 / simulate(generate("2bw", pp, m, SIM_BATCHES), fwd=costs.fwd, bwd=costs.bwd,
+                                 opt=costs.opt, p2p=p2p).throughput
+            half = b * (1 + split_overhead) / 4  # per piece (two per stage), per half
+            zbv = 1.0 / simulate(generate("zbv", pp, m, SIM_BATCHES), fwd=f / 2, bwd=2 * half, bwd_input=half,
+                                 bwd_weight=half, opt=o, p2p=p2p, sync_at_step=True).throughput
+            ideal = (fwd + bwd + opt / m) / pp
+            rows.append(dict(pp=pp, m=m, two_bw=two, zbv=zbv, speedup=zbv / two,
+                             two_bw_efficiency=ideal / two, zbv_efficiency=ideal / zbv))
+    return rows
+
+
+def region_report(rows: list[dict]) -> str:
+    lines = ["| p | m | 2BW efficiency | ZB-V efficiency | 2BW speed-up over ZB-V |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['pp']} | {r['m']} | {100 * r['two_bw_efficiency']:.1f}% | "
+                     f"{100 * r['zbv_efficiency']:.1f}% | {r['speedup']:.3f}x |")
+    return "\n".join(lines)
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["| p | m | GPUs | 1F1B tok/s/GPU | interleaved | 2BW | 2BW / 1F1B | 2BW / interleaved |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {(r["schedule"], r["pp"], r["m"]): r for r in rows}
+    for pp, m in sorted({(r["pp"], r["m"]) for r in rows}):
+        one, il, two = by[("1f1b", pp, m)], by[("interleaved-1f1b", pp, m)], by[("2bw", pp, m)]
+        tok = lambda r: f"{r['tokens_per_s_per_gpu']:.0f} ({100 * r['efficiency']:.0f}%)" if "efficiency" in r else "n/a"
+        ratio = lambda a, b: f"{a['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.2f}x" if "efficiency" in b else "n/a"
+        lines.append(f"| {pp} | {m} | {one['gpus']} | {tok(one)} | {tok(il)} | {tok(two)} | {ratio(two, one)} "
+                     f"| {ratio(two, il)} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pps = sorted({r["pp"] for r in rows})
+    fig, axes = plt.subplots(1, len(pps), figsize=(4 * len(pps), 3.4), sharey=True)
+    for ax, pp in zip(axes, pps):
+        for schedule, colour in (("1f1b", "#4c78a8"), ("interleaved-1f1b", "#72b7b2"), ("2bw", "#f58518")):
+            pts = [(r["m"], r["tokens_per_s_per_gpu"]) for r in rows
+                   if r["pp"] == pp and r["schedule"] == schedule and "efficiency" in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colour, label=schedule)
+        ax.set_title(f"PP={pp}, DP=8 ({pp * 8} GPUs)")
+        ax.set_xlabel("microbatches per batch m")
+        ax.set_xscale("log", base=2)
+    axes[0].set_ylabel("tokens / s / GPU (projected)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("10B MoE on H100 nodes: cost model + simulator (bench/throughput/project.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mfu", type=float, default=H100.mfu)
+    ap.add_argument("--optimizer", choices=("muon", "adam"), default="muon")
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--region", metavar="THROUGHPUT_JSON",
+                    help="2BW vs ZB-V for p = 2..16 from the PP=1 costs measured by bench/throughput/pipeline_throughput.py")
+    ap.add_argument("--split-overhead", type=float, default=0.04,
+                    help="extra cost of a split backward (bench/throughput/torch_pipelining.py measures it)")
+    args = ap.parse_args(argv)
+    if args.region:
+        one = json.loads(Path(args.region).read_text())["stage_costs"]["pp1"][0]
+        p2p = json.loads(Path(args.region).read_text())["stage_costs"]["pp2"][0].get("p2p", 0.0)
+        rows = zbv_region(one["fwd"], one["bwd"], one["opt"], p2p, args.split_overhead)
+        print(region_report(rows))
+        result = {"costs": {**one, "p2p": p2p}, "split_overhead": args.split_overhead, "rows": rows}
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
+    cluster = Cluster(**{**asdict(H100), "mfu": args.mfu})
+    rows = project(MOE_10B, cluster, optimizer=args.optimizer)
+    result = {"model": asdict(MOE_10B), "cluster": asdict(cluster), "assumptions": ASSUMPTIONS,
+              "optimizer": args.optimizer, "rows": rows}
+    print(report(rows))
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        print("wrote", plot(rows, args.plot))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Plan a run before it meets the cluster: parameters and memory per GPU of every stage.
+
+    python -m megatron_async.planning.plan --world-size 32 [--gpu-gb 80] [--json PATH] -- ARGS...
+
+Validates ARGS as the launcher would (megatron_async.check_flags), then builds each
+pipeline stage of that exact model with Megatron-Core's GPT model and layer specs on
+the meta device (no memory, no GPU): its layers, plus the embedding on the first
+stage and the output layer on the last. Parameters split over tensor-parallel ranks
+(and experts over expert-parallel ranks) are divided accordingly, which gives the
+parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
+
+- weights (2 bytes a parameter) and the 2BW stash, one more copy of them;
+- gradients (Megatron's grad buffer: 4 bytes with --accumulate-allreduce-grads-in-fp32, else 2);
+- optimizer state, sharded over the data-parallel ranks with --use-distributed-optimizer
+  (experts over the expert-data-parallel ranks): fp32 main weights (4) and Adam's two
+  moments (8) or Muon's momentum (4);
+- the correction's buffers, fp32, sharded like the main weights: one copy with
+  --delay-correction ef (the previous update) or nesterov (the previous gradient),
+  two with dc-asgd (the previous update and the gradient's mean square);
+- activations, an estimate: bytes a token a layer (attention block 34h with flash
+  attention, per Korthikanti et al. 2022, its MLP part replaced for MoE by top-k
+  experts' 2h + 6f) x tokens of a microbatch x layers of the stage x microbatches in
+  flight (p - s on stage s under 1F1B and 2bw), plus the last stage's fp32 logits;
+- 2bw's point-to-point buffers: the tensors a stage has sent and holds until the
+  sends retire after its next optimizer step, plus an output not yet posted and a
+  receive not yet consumed, at their peak, counted exactly by replaying the 2bw
+  action stream (plan_p2p.py), each of the activation shape in the pipeline dtype.
+
+`total` is the training peak, the sum of those terms' peaks. A checkpoint save under
+2bw adds nothing on the GPU (`save_gpu` = 0): the torch format's per-rank file streams
+the stash to host memory one flat buffer at a time (WeightStashManager.state_dict,
+tests/test_stash_save.py), `save_host` bytes of host memory a rank, and torch_dist
+saves the stash's own views. `save_total` = total + save_gpu is the peak budget during
+a save. Prints a table and exits 1 if a stage's peak during a save does not fit in
+--gpu-gb. Also prints the size of one checkpoint, which the run checks --save has room
+for before training (megatron_lm/save_space.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+
+from megatron_async.megatron_lm.save_space import CORRECTION_COPIES  # fp32 copies of the sharded main weights
+
+
+def _build_stage(config, args, layers: int, first: bool, last: bool):
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    stage_config = copy.copy(config)
+    stage_config.num_layers = layers
+    for name in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size"):
+        setattr(stage_config, name, 1)
+    stage_config.sequence_parallel = False
+    stage_config.use_cpu_initialization = True
+    stage_config.perform_initialization = False
+    spec = get_gpt_layer_local_spec(args.num_experts, False, qk_layernorm=args.qk_layernorm,
+                                    normalization=args.normalization)
+    with torch.device("meta"):
+        return GPTModel(stage_config, spec, args.padded_vocab_size, args.max_position_embeddings,
+                        pre_process=first, post_process=last,
+                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                        position_embedding_type=args.position_embedding_type)
+
+
+def _counts(model) -> dict:
+    dense = expert = 0
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            expert += param.numel()
+        else:
+            dense += param.numel()
+    return {"dense": dense, "expert": expert}
+
+
+def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
+    h, s, b = args.hidden_size, args.seq_length, args.micro_batch_size
+    per_token_layer = 34 * h
+    if args.num_experts:
+        f = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        per_token_layer = 15 * h + args.moe_router_topk * (2 * h + 6 * f)
+    in_flight = args.pipeline_model_parallel_size - stage
+    total = per_token_layer * s * b * layers * in_flight
+    if last:
+        total += 4 * s * b * args.padded_vocab_size
+    return total
+
+
+def padded_vocab_size(args) -> int:
+    """Megatron's padding of the vocabulary (to --make-vocab-size-divisible-by x TP), from
+    --vocab-size (+1 for NullTokenizer's end of document), without loading a tokenizer."""
+    if args.vocab_size is None:
+        raise SystemExit("megatron_async.planning.plan: give --vocab-size (the tokenizer's vocabulary size)")
+    vocab = args.vocab_size + (1 if args.tokenizer_type == "NullTokenizer" else 0)
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def plan(args) -> list[dict]:
+    """One row per pipeline stage: parameters of the stage and of one GPU, memory in GB."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron_async.testing.parallel import init_model_parallel
+    from megatron_async.planning.p2p import activation_tensor_bytes, stage_peaks, stage_peaks_on_completion
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # one process stands for a rank of each stage in turn
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    init_model_parallel(1, 1, 1, seed=args.seed)
+    # The plan builds Megatron-Core's local layer spec (same parameters as Transformer
+    # Engine's); fused kernels change no parameter and need CUDA, so they are off here.
+    args = copy.copy(args)
+    for name in ("apply_rope_fusion", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
+                 "bias_dropout_fusion", "gradient_accumulation_fusion", "persist_layer_norm"):
+        setattr(args, name, False)
+    args.transformer_impl, args.no_persist_layer_norm = "local", True
+    config = core_transformer_config_from_args(args)
+    p, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size
+    dp = args.data_parallel_size
+    expert_dp = max(dp * tp // (ep * (args.expert_tensor_parallel_size or tp)), 1)
+    per_stage = args.num_layers // p
+    grad_bytes = 4 if args.accumulate_allreduce_grads_in_fp32 else 2
+    moments = 4 if "muon" in args.optimizer else 8
+    two_bw = args.pipeline_schedule == "2bw"
+    m = args.global_batch_size // (args.micro_batch_size * dp)  # microbatches a batch, per data-parallel rank
+    p2p = stage_peaks(p, m) if two_bw else None
+    on_completion = stage_peaks_on_completion(p, m) if two_bw else None
+    tensor_bytes = activation_tensor_bytes(args)
+    rows = []
+    for stage in range(p):
+        first, last = stage == 0, stage == p - 1
+        counts = _counts(_build_stage(config, args, per_stage, first, last))
+        gpu_dense = counts["dense"] / tp
+        gpu_expert = counts["expert"] / (ep * (args.expert_tensor_parallel_size or tp))
+        gpu = gpu_dense + gpu_expert
+        sharded = gpu_dense / dp + gpu_expert / expert_dp if args.use_distributed_optimizer else gpu
+        memory = {
+            "weights": 2 * gpu,
+            "stash": 2 * gpu if two_bw else 0,
+            "gradients": grad_bytes * gpu,
+            "optimizer": (4 + moments) * sharded,
+            "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
+            "activations": _activation_bytes(args, stage, per_stage, last),
+            "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
+        }
+        save_gpu, save_host = 0, memory["stash"]  # state_dict() streams every stash slot to the host
+        total = sum(memory.values())
+        rows.append({"stage": stage, "stage_params": counts["dense"] + counts["expert"],
+                     "stage_expert_params": counts["expert"], "gpu_params": gpu,
+                     "memory_gb": {k: v / 2**30 for k, v in memory.items()},
+                     "total_gb": total / 2**30,
+                     "save_gpu_gb": save_gpu / 2**30, "save_host_gb": save_host / 2**30,
+                     "save_total_gb": (total + save_gpu) / 2**30,
+                     "p2p": {**dataclasses.asdict(p2p[stage]), "tensor_bytes": tensor_bytes,
+                             "sends_on_completion": on_completion[stage].sends} if two_bw else None})
+    return rows
+
+
+def _print_table(rows: list[dict]) -> None:
+    keys = list(rows[0]["memory_gb"])
+    print("| stage | params/GPU | " + " | ".join(f"{k} GB" for k in keys)
+          + " | total GB (training peak) | save_gpu GB | save_host GB | total GB during a save |")
+    print("|" + " --- |" * (len(keys) + 6))
+    for r in rows:
+        print(f"| {r['stage']} | {r['gpu_params'] / 1e9:.3f}B | "
+              + " | ".join(f"{r['memory_gb'][k]:.1f}" for k in keys)
+              + f" | {r['total_gb']:.1f} | {r['save_gpu_gb']:.1f} | {r['save_host_gb']:.1f} | {r['save_total_gb']:.1f} |")
+    for r in rows:
+        if r["p2p"]:
+            c = r["p2p"]
+            print(f"stage {r['stage']} p2p_buffers: at most {c['act_sends']} activation and {c['grad_sends']} "
+                  f"gradient sends held, {c['sends']} at once; {c['buffers']} buffers at the peak "
+                  f"x {c['tensor_bytes'] / 2**20:.1f} MiB; on NCCL, where a finished send retires at the next "
+                  f"post, a balanced pipeline holds {c['sends_on_completion']} sends at once")
+
+
+def fits_on_gpu(rows: list[dict], gpu_gb: float) -> bool:
+    """Every stage fits in `gpu_gb`, during a checkpoint save too (the stash's clone)."""
+    return all(r["save_total_gb"] <= gpu_gb for r in rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU (GiB)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the training command line")
+    ns = parser.parse_args(argv)
+    train_args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+
+    from megatron_async.check_flags import parse, prepare
+
+    prepare()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # Megatron prints every argument
+        args = parse(train_args, ns.world_size)
+    args.padded_vocab_size = padded_vocab_size(args)
+    rows = plan(args)
+    total = sum(r["stage_params"] for r in rows)
+    topk = args.moe_router_topk if args.num_experts else 1
+    experts = sum(r["stage_expert_params"] for r in rows)
+    active = total - experts + experts * topk / (args.num_experts or 1)
+    print(f"model: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token; "
+          f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
+          f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
+    _print_table(rows)
+    from megatron_async.megatron_lm.save_space import bytes_per_parameter
+
+    checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (save_space.py)
+    print(f"one checkpoint: about {checkpoint_gb:.1f} GB ({bytes_per_parameter(args)} bytes a parameter)")
+    fits = fits_on_gpu(rows, ns.gpu_gb)
+    print(f"every stage fits in {ns.gpu_gb:g} GB, during a save too" if fits
+          else f"a stage exceeds {ns.gpu_gb:g} GB (in training or during a save)")
+    if ns.json:
+        with open(ns.json, "w", encoding="utf-8") as f:
+            json.dump({"total_params": total, "active_params": active, "padded_vocab_size": args.padded_vocab_size,
+                       "gpu_gb": ns.gpu_gb, "fits": fits, "checkpoint_gb": checkpoint_gb,
+                       "stages": rows}, f, indent=1)
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The repository's layout stays what README and docs/ describe.
+
+- Every repository path that README.md or a file in docs/ names exists, and every
+  `python -m MODULE` they give imports from here: a move that forgets a document
+  fails here, not in a newcomer's terminal.
+- No two modules of the package import each other, directly or in a circle: each
+  layer imports only the ones below it. Imports inside functions count too.
+Negative controls: a made-up path is reported missing, and a made-up circle is found.
+"""
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TOP = ("megatron_async/", "bench/", "tests/", "docs/", "examples/", "docker/", "patches/", ".ci/")
+FILES = ("Dockerfile", "Makefile", "setup.py", "constraints.txt")
+_PATH = re.compile(r"(?<![\w./-])((?:%s)[\w./-]*|(?:%s))(?![\w/-])" % ("|".join(map(re.escape, TOP)),
+                                                                   "|".join(map(re.escape, FILES))))
+_MODULE = re.compile(r"-m ((?:megatron_async|bench)(?:\.\w+)+)")
+_LINK = re.compile(r"\]\(([^)#\s]+)\)")
+
+
+def _not_ours(text: str, match: re.Match) -> bool:
+    """A name another repository holds (Megatron-LM's), or one the text says was removed."""
+    return "Megatron-LM's" in text[max(match.start() - 20, 0):match.start()] or \
+        "since removed" in text[match.end():match.end() + 80]
+
+
+def named_paths(text: str) -> set[str]:
+    """Repository paths in a document (placeholders, globs and generated folders left out)."""
+    found = set()
+    for match in _PATH.finditer(text):
+        path = match.group(1).rstrip(".,:;")
+        if text[match.end():match.end() + 1] in ("{", "*", "<", "$") or _not_ours(text, match):
+            continue
+        if not any(c in path for c in "<>*{}$") and "..." not in path:
+            found.add(path)
+    return found
+
+
+def missing_paths(document: Path) -> list[str]:
+    text = document.read_text(encoding="utf-8")
+    missing = [p for p in named_paths(text) if not (REPO / p).exists()]
+    missing += [f"-m {m.group(1)}" for m in _MODULE.finditer(text)
+                if importlib.util.find_spec(m.group(1)) is None and not _not_ours(text, m)]
+    missing += [link for link in _LINK.findall(text)
+                if not link.startswith(("http:", "https:")) and not (document.parent / link).exists()]
+    return missing
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_path_a_document_names_exists(document):
+    assert missing_paths(document) == []
+
+
+def test_negative_control_a_made_up_path_is_missing(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("See `megatron_async/weight_stash.py` and run `python -m bench.pipeline_throughput`.\n")
+    assert sorted(missing_paths(doc)) == ["-m bench.pipeline_throughput", "megatron_async/weight_stash.py"]
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in its code)."""
+    modules = {}
+    for path in (root / package).rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle, as the modules around it, or [] when there is none."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (circle := visit(dep)):
+                return circle
+        state[node] = "done"
+        stack.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (circle := visit(node)):
+            return circle
+    return []
+
+
+def test_no_import_circles_in_the_package():
+    graph = import_graph(REPO, "megatron_async")
+    assert len(graph) > 50
+    assert find_circle(graph) == []
+
+
+def test_negative_control_a_circle_is_found():
+    graph = {"a.registry": {"a.builtin"}, "a.builtin": {"a.registry"}, "a.sim": {"a.registry"}}
+    assert find_circle(graph) == ["a.builtin", "a.registry", "a.builtin"]
