@@ -2,11 +2,11 @@
 
 A 2bw PP=2 job (real torchrun, dropout 0.1) is stopped mid-training, by SIGTERM to the
 last stage's worker only, or by its duration running out (`--exit-duration-in-mins 1`
-with Megatron's clock started 50 s early). Every rank stops after the
+with Megatron's clock started 57 s early). Every rank stops after the
 same iteration, agreed LAG iterations after the first rank saw the reason, saves
 there and exits 0. Resumed from that checkpoint, its per-iteration losses equal an
-uninterrupted run's bit for bit. Both runs use one --train-iters (so one learning-rate
-schedule) and stop with --exit-interval. That the agreement waits on nothing across
+uninterrupted run's bit for bit. All runs use one --train-iters (so one learning-rate
+schedule) and stop with --exit-interval; the uninterrupted run is shared by both cases. That the agreement waits on nothing across
 stages is tests/test_megatron_loop.py's collective audit.
 """
 
@@ -60,13 +60,28 @@ def _worker(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
+WHOLE = 120  # iterations of the uninterrupted run both cases compare with (about 0.1 s each here)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run, once for both cases: same flags and --train-iters, so the same
+    trajectory to any iteration; --exit-interval only ends it."""
+    tmp_path = tmp_path_factory.mktemp("whole")
+    code, out = finish_job(_torchrun(_flags(tmp_path, "whole", ["--exit-interval", WHOLE]), tmp_path / "whole.log"),
+                           tmp_path / "whole.log")
+    assert code == 0, out[-4000:]
+    return _losses(tmp_path / "whole.jsonl")
+
+
 @pytest.mark.parametrize("reason", ["signal", "duration"])
-def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_path, reason):
+def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_path, reason, whole):
     ckpt = tmp_path / "ckpt"
     extra = ["--save", ckpt, "--save-interval", 100000]
     extra += ["--exit-signal-handler"] if reason == "signal" else ["--exit-duration-in-mins", 1]
     log = tmp_path / "stopped.log"
-    proc = _torchrun(_flags(tmp_path, "stopped", extra), log, clock_ahead_s=None if reason == "signal" else 50)
+    # the duration case: Megatron's clock starts 57 s ahead, so the minute runs out some 30 iterations into training
+    proc = _torchrun(_flags(tmp_path, "stopped", extra), log, clock_ahead_s=None if reason == "signal" else 57)
     try:
         if reason == "signal":
             deadline = time.monotonic() + 180
@@ -87,13 +102,11 @@ def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_pa
     stopped = _losses(tmp_path / "stopped.jsonl")
     assert max(stopped) == stop  # no rank trained past the agreed iteration
     end = stop + 4
+    assert end <= WHOLE, f"stopped after iteration {stop}: later than the uninterrupted run ({WHOLE}) covers"
     code, out = finish_job(_torchrun(_flags(tmp_path, "resumed", ["--load", ckpt, "--exit-interval", end]),
                                   tmp_path / "resumed.log"), tmp_path / "resumed.log")
     assert code == 0, out[-4000:]
-    code, out = finish_job(_torchrun(_flags(tmp_path, "whole", ["--exit-interval", end]), tmp_path / "whole.log"),
-                        tmp_path / "whole.log")
-    assert code == 0, out[-4000:]
-    resumed, whole = _losses(tmp_path / "resumed.jsonl"), _losses(tmp_path / "whole.jsonl")
+    resumed = _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == list(range(stop + 1, end + 1))
     assert {i: whole[i] for i in resumed} == resumed  # bit for bit
     assert {i: whole[i] for i in stopped} == stopped
