@@ -34,7 +34,7 @@ QUICK_TESTS := tests/test_layout.py tests/test_packaging.py tests/test_schedule_
 
 test: setup
 	$(PY) -m pytest -q -x $(QUICK_TESTS) $(PYTEST_ARGS)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder tests --ignore=tests/gpu \
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu \
 		--ignore=tests/cluster $(addprefix --ignore=,$(QUICK_TESTS)) $(PYTEST_ARGS)
 
 # A real two-node Slurm on this machine (root; Debian's slurm-wlm, munge, iproute2) and the image

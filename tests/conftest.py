@@ -42,19 +42,3 @@ def small_corpus(tmp_path_factory, text_files):
     prepare(str(out), corpus=None, inputs=text_files, vocab_size=400, valid_fraction=0.2, seed=1234)
     return out
 
-
-# The modules that take minutes of real multi-process training (fresh-clone `make test
-# PYTEST_ARGS=--durations=30`), heaviest first. `make test` hands whole modules to its two
-# workers in collection order (--dist loadscope --no-loadscope-reorder), so these start first
-# and the two workers end together, instead of one worker running them alone at the end
-# (xdist's own reorder starts the modules with the most tests first: the quick ones).
-HEAVY_FIRST = ["test_megatron_loop.py", "test_save_lock.py", "test_stop_agreement.py", "test_bench_smoke.py",
-               "test_checkpoint_formats.py", "test_long_runs.py", "test_delay_sweep.py", "test_refusals.py",
-               "test_checkpoint_guard.py", "test_model_features.py", "test_variable_delay.py",
-               "test_delay_correction.py", "test_real_corpus.py", "test_stash_start.py", "test_step_end_waits.py",
-               "test_more_corrections.py", "test_moe_routing.py"]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its order

@@ -121,9 +121,3 @@ def test_negative_control_a_circle_is_found():
     graph = {"a.registry": {"a.builtin"}, "a.builtin": {"a.registry"}, "a.sim": {"a.registry"}}
     assert find_circle(graph) == ["a.builtin", "a.registry", "a.builtin"]
 
-
-def test_the_modules_started_first_exist():
-    """tests/conftest.py's HEAVY_FIRST (the order `make test` starts modules in) names real files."""
-    from conftest import HEAVY_FIRST
-
-    assert [name for name in HEAVY_FIRST if not (REPO / "tests" / name).exists()] == []
