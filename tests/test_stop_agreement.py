@@ -5,7 +5,9 @@ last stage's worker only, or by its duration running out (`--exit-duration-in-mi
 with Megatron's clock started 57 s early). Every rank stops after the
 same iteration, agreed LAG iterations after the first rank saw the reason, saves
 there and exits 0. Resumed from that checkpoint, its per-iteration losses equal an
-uninterrupted run's bit for bit. All runs use one --train-iters (so one learning-rate
+uninterrupted run's bit for bit. The stopped job runs under torchrun (a signal to one
+worker); the resumed and uninterrupted ones from warm ranks (testing/warm_launch.py), which
+skip the imports. All runs use one --train-iters (so one learning-rate
 schedule) and stop with --exit-interval; the uninterrupted run is shared by both cases. That the agreement waits on nothing across
 stages is tests/test_megatron_loop.py's collective audit.
 """
@@ -23,6 +25,7 @@ from test_megatron_loop import CPU, MODEL, RESUME, TRAIN
 
 from megatron_async.pipeline.stop_agreement import LAG
 from megatron_async.testing.launch import finish_job
+from megatron_async.testing.warm_launch import warm_run
 
 
 
@@ -68,9 +71,8 @@ def whole(tmp_path_factory):
     """The uninterrupted run, once for both cases: same flags and --train-iters, so the same
     trajectory to any iteration; --exit-interval only ends it."""
     tmp_path = tmp_path_factory.mktemp("whole")
-    code, out = finish_job(_torchrun(_flags(tmp_path, "whole", ["--exit-interval", WHOLE]), tmp_path / "whole.log"),
-                           tmp_path / "whole.log")
-    assert code == 0, out[-4000:]
+    proc = warm_run("megatron_async.launch", _flags(tmp_path, "whole", ["--exit-interval", WHOLE]), 2, 300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     return _losses(tmp_path / "whole.jsonl")
 
 
@@ -103,9 +105,9 @@ def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_pa
     assert max(stopped) == stop  # no rank trained past the agreed iteration
     end = stop + 4
     assert end <= WHOLE, f"stopped after iteration {stop}: later than the uninterrupted run ({WHOLE}) covers"
-    code, out = finish_job(_torchrun(_flags(tmp_path, "resumed", ["--load", ckpt, "--exit-interval", end]),
-                                  tmp_path / "resumed.log"), tmp_path / "resumed.log")
-    assert code == 0, out[-4000:]
+    proc = warm_run("megatron_async.launch", _flags(tmp_path, "resumed", ["--load", ckpt, "--exit-interval", end]), 2,
+                    300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     resumed = _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == list(range(stop + 1, end + 1))
     assert {i: whole[i] for i in resumed} == resumed  # bit for bit
