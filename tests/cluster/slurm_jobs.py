@@ -51,3 +51,19 @@ def _losses(run_dir: Path) -> dict:
     return {r["iteration"]: r["lm_loss"] for r in map(json.loads, path.read_text().splitlines()) if "lm_loss" in r}
 
 
+
+
+def preempt_and_finish(slurm, run_dir: Path, job: int) -> tuple[str, int]:
+    """`scancel --signal=TERM` after the job's third iteration; wait for its requeue and for
+    its restart to end. Returns (the job log, the iteration every rank agreed to stop after)."""
+    _wait(lambda: len(_losses(run_dir)) >= 3, "third iteration")
+    subprocess.run(["scancel", "--signal=TERM", str(job)], env=slurm, check=True)
+    _wait(lambda: "Restarts=1" in _job(slurm, job), "requeue")
+    # Slurm starts a requeued job once its credentials expired (cred_expire, 10 s in local_cluster.sh)
+    _wait(lambda: _state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE")
+          and "restart 1" in (run_dir / f"job-{job}.out").read_text(), "end of the restarted job")
+    log = (run_dir / f"job-{job}.out").read_text()
+    assert _state(slurm, job) == "COMPLETED", log[-4000:]
+    stop = int(re.search(r"stopping after iteration (\d+), agreed by every rank: a signal", log).group(1))
+    assert re.search(rf"loaded checkpoint .* at iteration\s+{stop}\b", log), log[-4000:]
+    return log, stop

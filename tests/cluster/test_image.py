@@ -17,7 +17,7 @@ import subprocess
 import time
 
 import pytest
-from slurm_jobs import END, REPO, _job, _losses, _state, _submit, _wait
+from slurm_jobs import END, REPO, _losses, _state, _submit, _wait, preempt_and_finish
 
 IMAGE = "localhost/megatron-async:test"
 
@@ -94,15 +94,7 @@ def test_slurms_signal_reaches_the_ranks_in_the_image(slurm, in_image, tmp_path)
     and matches the uninterrupted job in the image bit for bit."""
     run_dir = tmp_path / "preempted"
     job = _submit(slurm, run_dir, PODMAN_IMAGE=IMAGE, LAUNCHER="launch")
-    _wait(lambda: len(_losses(run_dir)) >= 3, "third iteration")
-    subprocess.run(["scancel", "--signal=TERM", str(job)], env=slurm, check=True)
-    _wait(lambda: "Restarts=1" in _job(slurm, job), "requeue")
-    _wait(lambda: _state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE")
-          and "restart 1" in (run_dir / f"job-{job}.out").read_text(), "end of the restarted job")
-    log = (run_dir / f"job-{job}.out").read_text()
-    assert _state(slurm, job) == "COMPLETED", log[-4000:]
-    stop = int(re.search(r"stopping after iteration (\d+), agreed by every rank: a signal", log).group(1))
-    assert re.search(rf"loaded checkpoint .* at iteration\s+{stop}\b", log), log[-4000:]
+    _, stop = preempt_and_finish(slurm, run_dir, job)
     _, reference = in_image
     losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, END + 1)) and stop < END

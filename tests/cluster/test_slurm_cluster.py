@@ -25,7 +25,7 @@ import re
 import subprocess
 
 import pytest
-from slurm_jobs import CLUSTER, CLUSTER_ENV, END, _job, _losses, _state, _submit, _wait
+from slurm_jobs import CLUSTER, CLUSTER_ENV, END, _losses, _state, _submit, _wait, preempt_and_finish
 
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory):
@@ -49,18 +49,8 @@ def test_the_sbatch_trains_2bw_across_two_nodes(slurm, uninterrupted):
 def test_a_preempted_job_saves_requeues_and_resumes_bit_for_bit(slurm, uninterrupted, tmp_path):
     run_dir = tmp_path / "preempted"
     job = _submit(slurm, run_dir)
-    _wait(lambda: len(_losses(run_dir)) >= 3, "third iteration")
-    subprocess.run(["scancel", "--signal=TERM", str(job)], env=slurm, check=True)
-    _wait(lambda: "Restarts=1" in _job(slurm, job), "requeue")
-
-    # Slurm starts a requeued job once its credentials expired (cred_expire, 10 s in local_cluster.sh)
-    _wait(lambda: _state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE")
-          and "restart 1" in (run_dir / f"job-{job}.out").read_text(), "end of the restarted job")
-    log = (run_dir / f"job-{job}.out").read_text()
-    assert _state(slurm, job) == "COMPLETED", log[-4000:]
-    stop = int(re.search(r"stopping after iteration (\d+), agreed by every rank: a signal", log).group(1))
+    log, stop = preempt_and_finish(slurm, run_dir, job)
     assert f"stopped early: {{\"iteration\": {stop}" in log and "requeueing" in log, log[-4000:]
-    assert re.search(rf"loaded checkpoint .* at iteration\s+{stop}\b", log), log[-4000:]
     assert "rank 0 of 2 on node1 (job %d, restart 1)" % job in log
     _, reference = uninterrupted
     losses, whole = _losses(run_dir), _losses(reference)
