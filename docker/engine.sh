@@ -33,7 +33,7 @@ engine_build() {
   fi
 }
 
-# engine_run ARGS...: run a container with the host's network, removed afterwards
-engine_run() {
-  "$ENGINE" run "${ENGINE_RUNTIME[@]}" "${ENGINE_OPTS[@]}" --rm --network host "$@"
-}
+# "${ENGINE_RUN[@]}" ARGS... (or engine_run ARGS...): run a container with the host's network,
+# removed afterwards
+ENGINE_RUN=("$ENGINE" run "${ENGINE_RUNTIME[@]}" "${ENGINE_OPTS[@]}" --rm --network host)
+engine_run() { "${ENGINE_RUN[@]}" "$@"; }

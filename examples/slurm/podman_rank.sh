@@ -25,5 +25,4 @@ while read -r name; do
 done < <(compgen -e)
 read -ra extra <<< "${CONTAINER_OPTS:-}"
 echo "rank ${SLURM_PROCID:-?} on $(hostname): $ENGINE run $PODMAN_IMAGE"
-exec "$ENGINE" run "${ENGINE_RUNTIME[@]}" "${ENGINE_OPTS[@]}" --rm --network host --init "${args[@]}" "${extra[@]}" \
-  "$PODMAN_IMAGE" bash "$REPO/examples/slurm/rank_command.sh"
+exec "${ENGINE_RUN[@]}" --init "${args[@]}" "${extra[@]}" "$PODMAN_IMAGE" bash "$REPO/examples/slurm/rank_command.sh"

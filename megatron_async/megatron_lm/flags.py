@@ -66,34 +66,32 @@ DEFAULTS_2BW = (
     ("rerun_mode", "--rerun-mode", "validate_results", "disabled",
      "Megatron's rerun state machine all-reduces over all ranks every iteration"),
 )
-_MEGATRON_DEFAULTS: dict = {}  # dest -> Megatron's default, where the parser's default became None
-
 
 def _mark_defaults_2bw_replaces(parser: argparse.ArgumentParser) -> None:
     """Parse DEFAULTS_2BW's flags with a default of None, so that resolve_defaults can tell a
     value the user typed from Megatron's default."""
     for action in parser._actions:
-        for dest, _, megatron_default, _, _ in DEFAULTS_2BW:
+        for dest, _, megatron_default, value_2bw, _ in DEFAULTS_2BW:
             if action.dest == dest and action.default == megatron_default:
-                _MEGATRON_DEFAULTS[dest] = megatron_default
                 action.default = None
                 if isinstance(action.help, str):
-                    action.help += f" (default: {megatron_default}; megatron-async: disabled under 2bw)"
+                    action.help += f" (default: {megatron_default}; megatron-async: {value_2bw} under 2bw)"
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
-    """Before Megatron's validate_args: a flag of DEFAULTS_2BW the user did not set gets
-    Megatron's default, or under 2bw the value 2bw needs, with a one-line notice."""
+    """Before Megatron's validate_args: a flag of DEFAULTS_2BW the user did not set (None, as
+    _mark_defaults_2bw_replaces parses it) gets Megatron's default, or under 2bw the value 2bw
+    needs, with a one-line notice."""
     two_bw = getattr(args, "pipeline_schedule", None) == "2bw"
-    for dest, flag, _, value_2bw, why in DEFAULTS_2BW:
-        if dest not in _MEGATRON_DEFAULTS or getattr(args, dest, "") is not None:
+    for dest, flag, megatron_default, value_2bw, why in DEFAULTS_2BW:
+        if not hasattr(args, dest) or getattr(args, dest) is not None:
             continue
         if two_bw:
             setattr(args, dest, value_2bw)
             if getattr(args, "rank", 0) == 0:
                 print(f"megatron-async: --pipeline-schedule 2bw sets {flag} {value_2bw} ({why})", flush=True)
         else:
-            setattr(args, dest, _MEGATRON_DEFAULTS[dest])
+            setattr(args, dest, megatron_default)
 
 
 _PERCENT = re.compile(r"%%|%\(\w+\)[a-z]|%")  # an escaped %, a format field, or a bare %
