@@ -52,6 +52,16 @@ def test_quick_pipeline_throughput_reports_efficiency_and_prediction(tmp_path):
         assert all(s["fwd"] > 0 and s["bwd"] > 0 for s in stages)
 
 
+def test_quick_tied_embeddings_bench_times_tied_and_untied(tmp_path):
+    from bench.throughput import tied_embeddings
+
+    out = tmp_path / "tied.json"
+    result = tied_embeddings.main(["--quick", "--json", str(out)])
+    times = result["s_per_microbatch"]["2bw_pp2_m8"]
+    assert times["tied"] > 0 and times["untied"] > 0
+    assert json.loads(out.read_text())["tied_over_untied"]["2bw_pp2_m8"] == times["tied"] / times["untied"]
+
+
 def test_projection_reports_every_schedule_and_layout(tmp_path):
     from bench.throughput import project
 

@@ -12,7 +12,10 @@
   (and not in 10 GB: the check can fail); it counts 2bw's held send buffers (the
   replay of megatron_async/planning/p2p.py for the configuration's p and m, x the tensor
   size from its flags) and the stash's clone during a save, and a GPU that holds the
-  training peak but not the save's fails the check.
+  training peak but not the save's fails the check;
+- the SmolLM-360M config (examples/smollm_360m): its plan's parameter count equals the
+  closed form (361.82M, the published size), the tied copy counted once; the plan counts
+  the tied-embedding link's buffers; its Slurm dry run passes our checks and Megatron's.
 """
 
 import json
@@ -159,3 +162,64 @@ def test_moe_10b_plan_fits_a_gpu_that_holds_the_training_peak(moe_plan):
     worst = max(stage["total_gb"] for stage in plan["stages"])
     assert fits_on_gpu(plan["stages"], worst)
     assert not fits_on_gpu(plan["stages"], worst * 0.99)  # control: a smaller GPU fails
+
+
+def _smollm_closed_form_params():
+    """examples/smollm_360m/flags.sh counted by hand: tied embeddings (counted once), 32
+    layers of two RMSNorms, Q and output projections (h x h), K and V for 5 of 15 heads of
+    64, a SwiGLU MLP of FFN 2560 (three h x f matrices), no biases; the final RMSNorm.
+    SmolLM-360M's published size is 361.82M."""
+    h, layers, ffn, heads, kv = 960, 32, 2560, 15, 5
+    vocab = 49152  # NullTokenizer: 49,151 + end of document, a multiple of 128 already
+    per_layer = 2 * h + 2 * h * h + 2 * h * (h // heads) * kv + 3 * h * ffn
+    return vocab * h + h + layers * per_layer
+
+
+@pytest.fixture(scope="module")
+def smollm_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm") / "plan.json"
+    proc = subprocess.run(["bash", "examples/smollm_360m/plan.sh", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable),
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_smollm_360m_plan_counts_the_published_shape(smollm_plan):
+    """The config passes our flag checks and Megatron's (the plan parses it as the launcher
+    does) and has SmolLM-360M's parameter count; the last stage's tied copy of the
+    embeddings is counted once in the model's size and held in its memory."""
+    plan, stdout = smollm_plan
+    assert plan["total_params"] == _smollm_closed_form_params() == 361_821_120
+    assert "0.36B parameters" in stdout and "PP=4 TP=1 EP=1 DP=2 on 8 GPUs" in stdout
+    stages = plan["stages"]
+    copy = 49152 * 960
+    assert [s["tied_copy_params"] for s in stages] == [0, 0, 0, copy]
+    assert sum(s["stage_params"] for s in stages) == plan["total_params"] + copy
+    assert plan["fits"]
+
+
+def test_smollm_360m_plan_counts_the_tied_link(smollm_plan, moe_plan):
+    """The tied-embedding link's buffers (pipeline/tied_embeddings.py): a received fp32
+    gradient on the first stage, a gradient copy and bf16 weights on the last; nothing
+    between, and nothing for the untied 10B MoE (the count depends on the tie)."""
+    plan, _ = smollm_plan
+    shard = 49152 * 960
+    link = [round(s["memory_gb"]["tied_link"] * 2**30) for s in plan["stages"]]
+    assert link == [4 * shard, 0, 0, (4 + 2) * shard]
+    assert all(s["memory_gb"]["tied_link"] == 0 for s in moe_plan[0]["stages"])
+
+
+def test_smollm_360m_slurm_dry_run_checks_its_command(tmp_path):
+    env = dict(os.environ, SLURM_PROCID="3", SLURM_NTASKS="8", SLURM_LOCALID="3", SLURM_NTASKS_PER_NODE="8",
+               SLURM_JOB_NODELIST="gpu007", SLURM_JOB_ID="77", CONFIG="examples/smollm_360m/flags.sh",
+               RUN_DIR=str(tmp_path), MOCK_DATA="1", PYTHON=sys.executable, DRY_RUN="1", EXTRA_ARGS="",
+               PATH=f"{BIN}:{os.environ['PATH']}")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(["bash", "examples/slurm/rank_command.sh"], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    command = proc.stdout.splitlines()[1]
+    assert "--pipeline-schedule 2bw" in command and "--untie-embeddings-and-output-weights" not in command
+    assert proc.stdout.splitlines()[-1].startswith("ok: ") and "world size 8" in proc.stdout

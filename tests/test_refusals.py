@@ -21,8 +21,7 @@ import pytest
 
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "10", "--lr", "1e-3",
-        "--untie-embeddings-and-output-weights"]
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "10", "--lr", "1e-3"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TWO_BW = PP2 + ["--pipeline-schedule", "2bw"]
 # an empty --save directory (the checkpoint checks run before training; nothing is written)
@@ -53,8 +52,8 @@ CASES = {
     "schedule Megatron would not run": (2, BASE + PP2 + ["--pipeline-schedule", "no-pipelining"],
                                         "Megatron runs '1f1b'"),
     "2bw without pipelining": (1, BASE + ["--pipeline-schedule", "2bw"], "--pipeline-model-parallel-size > 1"),
-    "tied embeddings": (2, _without(BASE, "--untie-embeddings-and-output-weights") + TWO_BW,
-                        "--untie-embeddings-and-output-weights"),
+    "weight prediction with tied embeddings": (2, BASE + TWO_BW + ["--delay-correction", "predict"],
+                                               "--delay-correction predict needs --untie-embeddings-and-output-weights"),
     "rerun state machine, set explicitly": (2, BASE + TWO_BW + ["--rerun-mode", "validate_results"],
                                             "--rerun-mode must be disabled"),
     "multi-token prediction": (2, BASE + TWO_BW + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
@@ -132,7 +131,15 @@ ACCEPTED = {
     "2bw, muon + EF, distributed optimizer": (4, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "ef",
                                                                   "--use-distributed-optimizer"]),
     "simulated stage delays": (1, BASE + ["--simulated-delay", "1,0"]),
-    "2bw, weight prediction": (2, BASE + TWO_BW + ["--delay-correction", "predict"]),
+    "2bw, weight prediction, untied": (2, BASE + TWO_BW + ["--delay-correction", "predict",
+                                                           "--untie-embeddings-and-output-weights"]),
+    # Megatron's default tied embeddings (tests/test_tied_embeddings.py trains them)
+    "2bw, tied embeddings, PP=4": (4, _without(BASE, "--num-layers", "--global-batch-size") + [
+        "--num-layers", "4", "--global-batch-size", "16", "--pipeline-model-parallel-size", "4",
+        "--pipeline-schedule", "2bw"]),
+    "2bw, tied embeddings, PP=8": (8, _without(BASE, "--num-layers", "--global-batch-size") + [
+        "--num-layers", "8", "--global-batch-size", "32", "--pipeline-model-parallel-size", "8",
+        "--pipeline-schedule", "2bw"]),
     "simulated delay, DC-ASGD": (1, BASE + ["--simulated-delay", "1", "--delay-correction", "dc-asgd"]),
     "2bw, muon, Nesterov look-ahead": (2, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "nesterov"]),
     "2bw, stale-global clipping": (2, BASE + TWO_BW + ["--clip-grad-mode", "stale-global"]),

@@ -87,7 +87,7 @@ WARMUP_ITERS = 10
 LOG_INTERVAL = 5
 
 
-def command(model: dict, pp: int, m: int, extra: list, iters: int, stats_dir: str) -> list[str]:
+def command(model: dict, pp: int, m: int, extra: list, iters: int, stats_dir: str, untie: bool = True) -> list[str]:
     gbs = m * model["mbs"]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
@@ -95,7 +95,7 @@ def command(model: dict, pp: int, m: int, extra: list, iters: int, stats_dir: st
         "--num-layers", str(model["layers"]), "--hidden-size", str(model["hidden"]),
         "--num-attention-heads", str(model["heads"]), "--seq-length", str(model["seq"]),
         "--max-position-embeddings", str(model["seq"]), "--micro-batch-size", str(model["mbs"]),
-        "--global-batch-size", str(gbs), "--untie-embeddings-and-output-weights",
+        "--global-batch-size", str(gbs), *(["--untie-embeddings-and-output-weights"] if untie else []),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", str(model["vocab"]), "--num-workers", "0", "--rerun-mode", "disabled",
         "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", str(LOG_INTERVAL),
@@ -116,7 +116,7 @@ def seconds_per_microbatch(stats_dir: str, m: int) -> float:
     return max(per_rank) / m
 
 
-def run(model: dict, config: tuple, iters: int) -> float:
+def run(model: dict, config: tuple, iters: int, untie: bool = True) -> float:
     """s / microbatch of one configuration; a name ending in _x2 runs two copies at once
     (their mean; separate rendezvous ports)."""
     name, pp, m, extra = config
@@ -126,7 +126,7 @@ def run(model: dict, config: tuple, iters: int) -> float:
         dirs = [os.path.join(tmp, str(i)) for i in range(copies)]
         procs = []
         for i, stats_dir in enumerate(dirs):
-            cmd = command(model, pp, m, extra, iters, stats_dir)
+            cmd = command(model, pp, m, extra, iters, stats_dir, untie)
             if copies > 1:
                 cmd = [c for c in cmd if c != "--standalone"]
                 cmd[3:3] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{29600 + i}", "--nnodes", "1"]

@@ -54,9 +54,19 @@ class Model:
     experts: int = 64
     expert_ffn: int = 1024
     topk: int = 8
+    kv_heads: int = 0  # grouped-query attention's key/value heads (0: as many as heads)
+
+    def attention_projection_params(self) -> int:
+        """Q and output projections (h x h each), K and V (h x kv_heads x head dim each)."""
+        h, kv = self.hidden, self.kv_heads or self.heads
+        return 2 * h * h + 2 * h * (h // self.heads) * kv
 
 
 MOE_10B = Model()  # examples/moe_10b/flags.sh: OLMoE-1B-7B's layer x 24
+# examples/smollm_360m/flags.sh: SmolLM-360M's published shape (dense SwiGLU, GQA 15/5, tied embeddings)
+SMOLLM_360M = Model(layers=32, hidden=960, heads=15, kv_heads=5, seq=2048, vocab=49152, ffn=2560, experts=0)
+# (model, stage counts, data-parallel size, micro-batch, the configuration's own m) per --model
+LAYOUTS = {"moe-10b": (MOE_10B, (4, 8, 16), 8, 1, 64), "smollm-360m": (SMOLLM_360M, (4, 8), 2, 8, 16)}
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,7 @@ ASSUMPTIONS = {
 def layer_flops(model: Model, tokens: int) -> float:
     """Forward FLOPs of one transformer layer for `tokens` tokens (sequence model.seq)."""
     h = model.hidden
-    attention = 2 * tokens * 4 * h * h + 2 * 2 * tokens * model.seq * h / 2  # projections + causal scores
+    attention = 2 * tokens * model.attention_projection_params() + 2 * 2 * tokens * model.seq * h / 2  # + causal scores
     if model.experts:
         mlp = 2 * tokens * model.topk * (3 if model.swiglu else 2) * h * model.expert_ffn
         mlp += 2 * tokens * h * model.experts  # router
@@ -111,7 +121,7 @@ def layer_flops(model: Model, tokens: int) -> float:
 def layer_params(model: Model) -> tuple[int, int]:
     """(non-expert, expert) parameters of one layer."""
     h = model.hidden
-    dense = 4 * h * h + (model.experts * h if model.experts else (3 if model.swiglu else 2) * h * model.ffn)
+    dense = model.attention_projection_params() + (model.experts * h if model.experts else (3 if model.swiglu else 2) * h * model.ffn)
     experts = model.experts * (3 if model.swiglu else 2) * h * model.expert_ffn
     return dense, experts
 
@@ -216,14 +226,14 @@ CONFIGURED_M = 64  # examples/moe_10b/flags.sh: global batch 512 / (micro-batch 
 
 
 def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: int = 1,
-            optimizer: str = "muon") -> list[dict]:
+            optimizer: str = "muon", configured_m: int = CONFIGURED_M) -> list[dict]:
     """Tokens/s per GPU and bubble for each (schedule, p, m), m = p, 2p, 4p and the
-    configuration's own m = 64."""
+    configuration's own m (64 for the 10B MoE)."""
     rows = []
     for pp in pps:
         costs = gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer)
         ideal = (sum(costs.fwd) + sum(costs.bwd)) / pp  # perfectly balanced, no bubble, free step
-        for m in sorted({pp, 2 * pp, 4 * pp, CONFIGURED_M}):
+        for m in sorted({pp, 2 * pp, 4 * pp, configured_m}):
             for schedule in ("1f1b", "interleaved-1f1b", "2bw"):
                 if schedule == "interleaved-1f1b" and min(costs.detail["layers_per_stage"]) < 2:
                     rows.append(dict(schedule=schedule, pp=pp, m=m, note="needs 2 layers per stage"))
@@ -309,6 +319,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mfu", type=float, default=H100.mfu)
     ap.add_argument("--optimizer", choices=("muon", "adam"), default="muon")
+    ap.add_argument("--model", choices=tuple(LAYOUTS), default="moe-10b",
+                    help="moe-10b: examples/moe_10b, DP=8 a stage; smollm-360m: examples/smollm_360m, DP=2 a stage")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--region", metavar="THROUGHPUT_JSON",
@@ -326,9 +338,10 @@ def main(argv=None) -> dict:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return result
     cluster = Cluster(**{**asdict(H100), "mfu": args.mfu})
-    rows = project(MOE_10B, cluster, optimizer=args.optimizer)
-    result = {"model": asdict(MOE_10B), "cluster": asdict(cluster), "assumptions": ASSUMPTIONS,
-              "optimizer": args.optimizer, "rows": rows}
+    model, pps, dp, mbs, configured_m = LAYOUTS[args.model]
+    rows = project(model, cluster, pps=pps, dp=dp, mbs=mbs, optimizer=args.optimizer, configured_m=configured_m)
+    result = {"model": asdict(model), "cluster": asdict(cluster), "assumptions": ASSUMPTIONS,
+              "optimizer": args.optimizer, "layout": {"dp": dp, "micro_batch": mbs}, "rows": rows}
     print(report(rows))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ MODEL_ARGS=(
   --seq-length 4096 --max-position-embeddings 4096
   --position-embedding-type rope --rotary-base 500000
   --normalization RMSNorm --swiglu --disable-bias-linear --qk-layernorm
-  --untie-embeddings-and-output-weights       # 2bw: no embedding all-reduce between stages
+  --untie-embeddings-and-output-weights       # the model's choice (2bw trains tied ones too)
   --num-experts 64 --moe-ffn-hidden-size 1024 --moe-router-topk 8
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01
   --moe-token-dispatcher-type alltoall

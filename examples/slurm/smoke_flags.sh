@@ -6,7 +6,7 @@
 # shellcheck disable=SC2034  # read by the script that sources this file
 TRAIN_ARGS=(
   --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-  --micro-batch-size 2 --global-batch-size 8 --untie-embeddings-and-output-weights
+  --micro-batch-size 2 --global-batch-size 8
   --position-embedding-type learned_absolute --hidden-dropout 0.1 --attention-dropout 0.1
   --pipeline-model-parallel-size 2 --pipeline-schedule 2bw
   --train-iters "${TRAIN_ITERS:-100000}" --lr 2e-3 --lr-decay-style constant

@@ -75,8 +75,8 @@ def write_marker(root: str, iteration: int, contents: dict, create: bool = False
         os.replace(path + ".tmp", path)
 
 
-def saved_contents(args) -> dict:
-    """What the checkpoint `--load` will resume holds of ours ({} for none or a foreign one).
+def resume_directory(args) -> str | None:
+    """The checkpoint directory `--load` will resume (None: nothing to resume).
 
     Reads the tracker file directly (Megatron's reader all-reduces), honouring --ckpt-step.
     """
@@ -84,18 +84,46 @@ def saved_contents(args) -> dict:
 
     root = args.load
     if not root:
-        return {}
+        return None
     iteration = getattr(args, "ckpt_step", None)
     if iteration is None:
         try:
             with open(get_checkpoint_tracker_filename(root), encoding="utf-8") as f:
                 text = f.read().strip()
         except OSError:
-            return {}
+            return None
         if not text.isdigit():
-            return {}
+            return None
         iteration = int(text)
-    directory = checkpoint_dir(root, iteration)
+    return checkpoint_dir(root, iteration)
+
+
+def saved_megatron_args(directory: str):
+    """The arguments Megatron saved with a checkpoint (None where it holds none): torch_dist's
+    common state, else one rank's torch file, memory-mapped (no weights read)."""
+    if not os.path.isdir(directory):
+        return None
+    try:
+        if os.path.isfile(os.path.join(directory, "metadata.json")):  # torch_dist
+            from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+            state = load_common_state_dict(directory)
+        else:
+            files = sorted(os.path.join(directory, d, "model_optim_rng.pt") for d in os.listdir(directory)
+                           if d.startswith("mp_rank_"))
+            if not files or not os.path.isfile(files[0]):
+                return None
+            state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is the load guard's to name
+        return None
+    return state.get("args") if isinstance(state, dict) else None
+
+
+def saved_contents(args) -> dict:
+    """What the checkpoint `--load` will resume holds of ours ({} for none or a foreign one)."""
+    directory = resume_directory(args)
+    if directory is None:
+        return {}
     try:
         with open(os.path.join(directory, MARKER), encoding="utf-8") as f:
             return {**json.load(f), "loaded_from": directory}

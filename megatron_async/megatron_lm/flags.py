@@ -313,13 +313,15 @@ def _validate_2bw(args: argparse.Namespace) -> None:
     _require(not args.virtual_pipeline_model_parallel_size,
              "--pipeline-schedule 2bw does not support virtual pipeline stages "
              "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
-    _require(args.untie_embeddings_and_output_weights,
-             "--pipeline-schedule 2bw needs --untie-embeddings-and-output-weights: tied input/output embeddings "
-             "on different stages need a cross-stage gradient all-reduce every step")
+    _require(args.untie_embeddings_and_output_weights or args.delay_correction != "predict",
+             "--pipeline-schedule 2bw: --delay-correction predict needs --untie-embeddings-and-output-weights: "
+             "with tied embeddings the last stage's output weight is the first stage's, sent after its step, "
+             "and a prediction from the last stage's own weights would extrapolate from a discarded update")
     _require(not args.mtp_num_layers,
              "--pipeline-schedule 2bw does not support --mtp-num-layers: the last stage's multi-token prediction "
-             "uses its own copy of the word embeddings, kept equal to the first stage's by a cross-stage gradient "
-             "all-reduce every step")
+             "embeds its inputs with its own copy of the word embeddings, read in the forward at the stash's "
+             "version, which the tied-embedding link (first stage to last) does not carry yet "
+             "(docs/megatron_lm.md, 'Multi-token prediction')")
     _require(args.clip_grad_mode == "stage-local" or args.clip_grad > 0,
              "--clip-grad-mode stale-global needs --clip-grad > 0")
     for name, refused, flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
@@ -355,6 +357,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
         return
     from megatron_async.megatron_lm.checkpoint import saved_contents
 
+    _check_tied_embeddings_match(args)
     held = saved_contents(args)
     if not held.get("weight_stash"):
         return
@@ -386,6 +389,25 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
         raise FlagError(f"--load {args.load}: {', '.join(per_rank)} of this checkpoint is kept per rank, saved at "
                         f"{_layout_text(saved)}, and cannot be laid out for this run's {_layout_text(wanted)}; "
                         "resume at the saved layout")
+
+
+def _tying(untied: bool) -> str:
+    return ("--untie-embeddings-and-output-weights (separate output weights)" if untied
+            else "tied input and output embeddings (Megatron's default, no --untie-embeddings-and-output-weights)")
+
+
+def _check_tied_embeddings_match(args: argparse.Namespace) -> None:
+    """Tied to untied or back at a resume: Megatron loads either without a word, dropping
+    the trained output layer or starting it from the embeddings. Refused, naming both."""
+    from megatron_async.megatron_lm.checkpoint import resume_directory, saved_megatron_args
+
+    directory = resume_directory(args)
+    saved = saved_megatron_args(directory) if directory else None
+    if saved is None or not hasattr(saved, "untie_embeddings_and_output_weights"):
+        return
+    was, now = bool(saved.untie_embeddings_and_output_weights), bool(args.untie_embeddings_and_output_weights)
+    _require(was == now, f"--load {args.load}: the checkpoint in {directory} was trained with {_tying(was)}; "
+                         f"this run has {_tying(now)}. Resume with the same choice")
 
 
 def _check_correction_state(args: argparse.Namespace, held: dict) -> None:

@@ -128,6 +128,20 @@ def _stage_local_reduction(original):
     return hooked
 
 
+def _embedding_grads_all_reduce(original):
+    """Under 2bw a tied model's embedding gradients travel point to point instead
+    (pipeline/tied_embeddings.py): Megatron's all-reduce over the first and last stage
+    would be a blocking collective spanning stages every step."""
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        if runtime.is_two_bw():
+            return None
+        return original(*args, **kwargs)
+
+    return hooked
+
+
 def _train(original):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
@@ -454,6 +468,8 @@ HOOKS = (
          _stage_local_reduction),
     Hook(T, "reduce_max_stat_across_model_parallel_group",
          "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
+    Hook("megatron.core.distributed.finalize_model_grads", "_allreduce_word_embedding_grads",
+         "finalize_model_grads.py:659 finalize_model_grads (tied embeddings, MTP)", _embedding_grads_all_reduce),
     Hook(T, "train", "training.py:1423 pretrain", _train),
     Hook(T, "train_step", "training.py:3856 train", _train_step),
     Hook(T, "checkpoint_and_decide_exit", "training.py:4079 train", _checkpoint_and_decide_exit),

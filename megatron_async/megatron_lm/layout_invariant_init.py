@@ -58,6 +58,8 @@ def global_param_names(chunk) -> dict[str, str]:
         if grouped and "experts" in parts:  # TE's grouped GEMM: weight<i> of local expert i
             parts[-1] = f"{grouped.group(1)}{int(grouped.group(2)) + expert_offset}"
         names[name] = ".".join(parts)
+    if getattr(module, "share_embeddings_and_output_weights", False) and "output_layer.weight" in names:
+        names["output_layer.weight"] = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
     return names
 
 

@@ -86,9 +86,13 @@ class DelayedStepOptimizer:
     def step(self):
         from megatron.training import get_args
 
-        stale = STATE.stale_norm
+        stale, runner = STATE.stale_norm, STATE.runner
+        if runner is not None:
+            runner.before_optimizer_step()  # tied embeddings: the last stage installs the newest weights
         with self.stash.optimizer_step(), stale.step() if stale else contextlib.nullcontext():
             update_ok, grad_norm, zeros = self.optimizer.step()
+        if runner is not None:
+            runner.after_optimizer_step()  # tied embeddings: the first stage sends them
         if update_ok:
             grad_norm = step_grad_norm(self.optimizer, grad_norm)
             check_finite(get_args().curr_iteration + 1, parallel_state.get_pipeline_model_parallel_rank(), grad_norm)

@@ -53,6 +53,7 @@ class StageExecutor:
         dtype: torch.dtype,
         device: torch.device,
         on_batch_start: Optional[Callable[[int], None]] = None,
+        on_backward_start: Optional[Callable[[int], None]] = None,
         prev_segment: Optional[Callable[[int], list]] = None,
         final_step: Optional[int] = None,
         first_step: int = 0,
@@ -75,6 +76,7 @@ class StageExecutor:
         self.step_func = step_func
         self.m = num_microbatches
         self.on_batch_start = on_batch_start  # called before a batch's first forward (e.g. RNG snapshot)
+        self.on_backward_start = on_backward_start  # called before a batch's first backward
         self.shape = activation_shape
         self.dtype = dtype
         self.device = device
@@ -119,6 +121,8 @@ class StageExecutor:
 
     def _backward(self, action: Backward) -> None:
         k = action.microbatch
+        if self.on_backward_start is not None and k % self.m == 0:
+            self.on_backward_start(k // self.m)
         input_tensor, output = self._inflight.pop(k)
         grad = None if self.is_last else self._received.pop(("grad", k))
         last_of_batch = k % self.m == self.m - 1

@@ -61,6 +61,18 @@ def duplicate_pipeline_group() -> dist.ProcessGroup:
     return mine
 
 
+def first_last_group() -> dist.ProcessGroup:
+    """A group over each pipeline's first and last rank (collective: every rank must call
+    it), for tied embeddings (pipeline/tied_embeddings.py); None on the stages between."""
+    mine = None
+    for ranks in _all_pipeline_groups():
+        pair = [ranks[0], ranks[-1]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
 def _all_pipeline_groups() -> list[list[int]]:
     """Every pipeline's global ranks, identical on all ranks (gathered once at setup)."""
     mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())

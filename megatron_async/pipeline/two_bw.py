@@ -21,8 +21,9 @@ from megatron.core import parallel_state
 
 from megatron_async.pipeline.executor import StageExecutor
 from megatron_async.pipeline.non_finite import LossFlag, check_finite, report_losses, step_grad_norm
-from megatron_async.pipeline.p2p import duplicate_pipeline_group, stage_links
+from megatron_async.pipeline.p2p import duplicate_pipeline_group, first_last_group, stage_links
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
+from megatron_async.pipeline.tied_embeddings import link_for, ties_across_stages
 from megatron_async.pipeline.weight_caches import disable_first_microbatch_caches
 from megatron_async.schedules.stream_2bw import TwoBWStream
 from megatron_async.stash.weight_stash import WeightStashManager
@@ -79,6 +80,8 @@ class TwoBWRunner:
         self.stash = stash or WeightStashManager(model, depth=1)
         self._loss_flag: LossFlag | None = None  # batch t's losses, checked after OptimizerStep(t)
         disable_first_microbatch_caches(model)  # before the first forward: TE's fp8 weight cache
+        # tied embeddings: the first and last stage's own link (a collective to create: every rank)
+        self.tied = link_for(self.model, self.stash, first_last_group()) if ties_across_stages(self.model) else None
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         if data_for is None:
             data_for = lambda k: iter([get_microbatch(k)])  # noqa: E731
@@ -86,6 +89,7 @@ class TwoBWRunner:
             self.model, stream.actions(stage), self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
             activation_shape=activation_shape, dtype=dtype, device=self.device, on_batch_start=on_batch_start,
+            on_backward_start=(lambda _t: self.tied.post_grad_recv()) if self.tied else None,
             prev_segment=prev_segment, final_step=num_batches - 1, first_step=start_batch,
         )
 
@@ -93,11 +97,15 @@ class TwoBWRunner:
         # this batch's losses are all known here (the last stage ran every forward of it)
         self._loss_flag = LossFlag(self.executor._reports.get(step, []))
         self.finalize_grads()
+        if self.tied:
+            self.tied.exchange_grads()
         if self.optimizer is None:
-            return None  # Megatron's train_step steps next
+            return None  # Megatron's train_step steps next (DelayedStepOptimizer calls the two hooks below)
+        self.before_optimizer_step()
         with self.stash.optimizer_step():
             with self.stale_norm.step() if self.stale_norm else contextlib.nullcontext():
                 update_ok, grad_norm, zeros = self.optimizer.step()
+        self.after_optimizer_step()
         grad_norm = step_grad_norm(self.optimizer, grad_norm)
         check_finite(step + 1, self.links.stage, grad_norm)
         # Megatron's optimizer aliases param.grad to DDP's main_grad during the step;
@@ -105,6 +113,15 @@ class TwoBWRunner:
         self.optimizer.zero_grad()
         self.model.zero_grad_buffer()
         return update_ok, grad_norm, zeros
+
+    def before_optimizer_step(self) -> None:
+        """Right before the optimizer step (and the stash's snapshot of the live weights)."""
+        if self.tied:
+            self.tied.before_step()
+
+    def after_optimizer_step(self) -> None:
+        if self.tied:
+            self.tied.after_step()
 
     def train_step(self, step: int):
         """(loss reports of batch `step` on the last stage, (update_ok, grad_norm, zeros)).
@@ -121,6 +138,8 @@ class TwoBWRunner:
         """Match every outstanding send before a checkpoint save or an evaluation
         (every stage at the same step; see StageExecutor.drain)."""
         self.executor.drain()
+        if self.tied:
+            self.tied.drain()
 
     @property
     def pending_sends(self) -> int:
@@ -173,6 +192,8 @@ class TwoBWRunner:
 
     def finish(self) -> None:
         self.executor.finish()
+        if self.tied:
+            self.tied.drain()
         if self.stale_norm:
             self.stale_norm.finish()
 

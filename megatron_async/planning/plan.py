@@ -24,7 +24,10 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
 - 2bw's point-to-point buffers: the tensors a stage has sent and holds until the
   sends retire after its next optimizer step, plus an output not yet posted and a
   receive not yet consumed, at their peak, counted exactly by replaying the 2bw
-  action stream (plan_p2p.py), each of the activation shape in the pipeline dtype.
+  action stream (plan_p2p.py), each of the activation shape in the pipeline dtype;
+- with tied embeddings under 2bw, the link's buffers (pipeline/tied_embeddings.py):
+  the first stage one gradient of the vocabulary x hidden weight (this rank's
+  tensor-parallel shard), the last stage a copy of its gradient and a weight buffer.
 
 `total` is the training peak, the sum of those terms' peaks. A checkpoint save under
 2bw adds nothing on the GPU (`save_gpu` = 0): the torch format's per-rank file streams
@@ -102,6 +105,16 @@ def padded_vocab_size(args) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def tied_link_bytes(args, first: bool, last: bool, grad_bytes: int) -> int:
+    """Bytes a GPU holds for the tied-embedding link under 2bw: the first stage a received
+    gradient, the last stage a gradient copy and the received weights (bf16), of the
+    vocabulary x hidden weight's tensor-parallel shard; 0 untied, at PP=1, or between."""
+    if args.untie_embeddings_and_output_weights or args.pipeline_model_parallel_size == 1 or first == last:
+        return 0
+    shard = padded_vocab_size(args) * args.hidden_size // args.tensor_model_parallel_size
+    return grad_bytes * shard if first else (grad_bytes + 2) * shard
+
+
 def plan(args) -> list[dict]:
     """One row per pipeline stage: parameters of the stage and of one GPU, memory in GB."""
     from megatron.training.argument_utils import core_transformer_config_from_args
@@ -133,6 +146,7 @@ def plan(args) -> list[dict]:
     p2p = stage_peaks(p, m) if two_bw else None
     on_completion = stage_peaks_on_completion(p, m) if two_bw else None
     tensor_bytes = activation_tensor_bytes(args)
+    tied = not args.untie_embeddings_and_output_weights
     rows = []
     for stage in range(p):
         first, last = stage == 0, stage == p - 1
@@ -149,11 +163,14 @@ def plan(args) -> list[dict]:
             "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
             "activations": _activation_bytes(args, stage, per_stage, last),
             "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
+            "tied_link": tied_link_bytes(args, first, last, grad_bytes) if two_bw else 0,
         }
         save_gpu, save_host = 0, memory["stash"]  # state_dict() streams every stash slot to the host
         total = sum(memory.values())
+        tied_copy = args.padded_vocab_size * args.hidden_size if tied and last and not first else 0
         rows.append({"stage": stage, "stage_params": counts["dense"] + counts["expert"],
                      "stage_expert_params": counts["expert"], "gpu_params": gpu,
+                     "tied_copy_params": tied_copy,  # the last stage's copy of the tied embeddings
                      "memory_gb": {k: v / 2**30 for k, v in memory.items()},
                      "total_gb": total / 2**30,
                      "save_gpu_gb": save_gpu / 2**30, "save_host_gb": save_host / 2**30,
@@ -205,7 +222,7 @@ def main(argv=None) -> int:
         args = parse(train_args, ns.world_size)
     args.padded_vocab_size = padded_vocab_size(args)
     rows = plan(args)
-    total = sum(r["stage_params"] for r in rows)
+    total = sum(r["stage_params"] - r["tied_copy_params"] for r in rows)  # a tied weight counts once
     topk = args.moe_router_topk if args.num_experts else 1
     experts = sum(r["stage_expert_params"] for r in rows)
     active = total - experts + experts * topk / (args.num_experts or 1)

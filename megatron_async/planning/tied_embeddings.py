@@ -1,17 +1,16 @@
-"""When tied input and output embeddings could be exchanged between the first and last
-stage under 2bw without a stall, read off the real 2bw action lists by the simulator.
+"""When tied input and output embeddings are exchanged between the first and last stage
+under 2bw (pipeline/tied_embeddings.py), read off the real 2bw action lists by the simulator.
 
-Tying under 2bw (issue: the paper's SmolLM-360M ties them) would work so: batch b's
-embedding gradient (stage 0) and output-layer gradient (last stage) are both taken at
-version b-1, so their sum is the tied gradient of the one-step-delay twin. The last
-stage sends its part to stage 0, which steps the one weight and sends version b+1
-back; the last stage needs it when it snapshots its weights at its step b+1 (its
-batch b+2 runs at version b+1). Two windows decide whether this stalls:
+Batch b's embedding gradient (stage 0) and output-layer gradient (last stage) are both
+taken at version b-1, so their sum is the tied gradient of the one-step-delay twin. The
+last stage sends its part to stage 0, which steps the one weight and sends version b+1
+back; the last stage needs it when it snapshots its weights at its step b+1 (its batch
+b+2 runs at version b+1). Two windows decide whether this stalls:
 
 - gradient: from the end of the last stage's last backward of batch b to the start of
-  stage 0's step b (or, if the received gradient must be in stage 0's buffer before
-  that buffer's data-parallel reduction starts, as with --overlap-grad-reduce, to the
-  start of stage 0's last backward of batch b);
+  stage 0's step b, where the runtime adds it (or, if it had to be in stage 0's buffer
+  before that buffer's data-parallel reduction starts, to the start of stage 0's last
+  backward of batch b);
 - weights: from the end of stage 0's step b to the start of the last stage's step b+1.
 
 A window shorter than the transfer stalls a stage by the difference.

@@ -125,6 +125,10 @@ class WeightStashManager:
             param.data = data
         self._pointed = version
 
+    def live_storage(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """`param`'s live storage (DDP's view), wherever `param.data` points now."""
+        return self._live[self._index[id(param)]]
+
     def versions_held(self) -> list[int]:
         return sorted({self.newest, *self._slot_version})
 

@@ -15,7 +15,9 @@ are not collectives and are not recorded.
 MEGATRON_ASYNC_AUDIT_INJECT=1 adds one world all-reduce per iteration: the
 negative control that shows the audit catches a cross-stage collective.
 MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT=1 leaves Megatron's checkpoint_and_decide_exit
-unhooked, so its own per-iteration exit checks run (another negative control).
+unhooked, so its own per-iteration exit checks run (another negative control);
+MEGATRON_ASYNC_AUDIT_UNHOOK=NAME[,NAME] leaves those hooks of hooks.py unhooked
+(e.g. _allreduce_word_embedding_grads: Megatron's tied-embedding all-reduce).
 """
 
 from __future__ import annotations
@@ -134,13 +136,16 @@ def main() -> int:
     from megatron_async import launch
     from megatron_async.megatron_lm.hooks import install as install_plugin
 
+    unhooked = {name for name in os.environ.get("MEGATRON_ASYNC_AUDIT_UNHOOK", "").split(",") if name}
     if os.environ.get("MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT") == "1":  # Megatron's own exit checks, unhooked
+        unhooked.add("checkpoint_and_decide_exit")
+    if unhooked:
         import dataclasses
 
         from megatron_async.megatron_lm import hooks
 
         hooks.HOOKS = tuple(dataclasses.replace(h, wrap=lambda original: original)
-                            if h.name == "checkpoint_and_decide_exit" else h for h in hooks.HOOKS)
+                            if h.name in unhooked else h for h in hooks.HOOKS)
     install_plugin()  # the plugin's hooks first, so the audit wraps what Megatron calls
     install(os.environ["MEGATRON_ASYNC_AUDIT_DIR"])
     return launch.main(sys.argv[1:])

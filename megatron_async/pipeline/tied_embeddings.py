@@ -1,0 +1,161 @@
+"""Tied input and output embeddings under 2bw: point to point, first stage to last.
+
+Megatron keeps a tied model's two copies, the first stage's word embeddings E and
+the last stage's output weight O, equal by all-reducing their gradients over the
+two stages in finalize_model_grads: a blocking collective spanning stages every
+step, which 2bw's steady state must not have (hooks.py turns it off under 2bw).
+Under 2bw every stage computes batch t's gradients at the same version W(t-1), so
+E's and O's gradients of batch t sum to the tied gradient of the one-step-delay
+twin. The first stage owns the weight:
+
+- at OptimizerStep(t), after Megatron's data-parallel reduction, the last stage
+  sends O's gradient (a copy: Megatron zeroes the buffer at the next iteration) and
+  the first stage adds it to E's gradient before its optimizer step: Megatron's own
+  sum, in Megatron's order (reduced over data-parallel ranks, then over the pair);
+- after its step the first stage sends the new weights W(t+1); the last stage
+  installs them into its live output weight before its step t+1 saves the live
+  weights into the stash, the first point that reads them (batch t+1 runs at W(t),
+  held by the stash). The last stage's own update of O is discarded that way.
+
+Timing, from the action lists (planning/tied_embeddings.py, tests/test_tied_timing.py):
+the last stage reaches OptimizerStep(t) (p-1) backward slots before the first stage,
+so the gradient waits for nobody; W(t+1) is needed m(F+B) - (p-1)B later. Each
+pipeline's (first, last) pair talks over a group of its own, so the transfers never
+queue behind activations, evaluation or the stale-norm all-reduce. Per step the
+first stage posts [recv grad(t) at batch t's first backward, send W(t+1) after its
+step], the last [send grad(t), recv W(t+1) after its step]: matched in order. No
+receive waits on anything its sender does after its own step, so a whole-device wait
+at a step end (NCCL's large send runs until received) can delay but never hang.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class TiedEmbeddings:
+    """One end of the tied-embedding link: `first` holds E, else this is the last stage's O."""
+
+    def __init__(self, weight: torch.nn.Parameter, live: torch.Tensor, group, peer: int, first: bool):
+        self.weight = weight
+        self.live = live  # the weight's live storage (the stash may point `weight.data` elsewhere)
+        self.group, self.peer, self.first = group, peer, first
+        self._grad_recv: Optional[tuple] = None  # first stage: (work, buffer) of grad(t)
+        self._weight_send = None  # first stage: the work of W(t+1)'s send (of the live weights)
+        self._grad_send: Optional[tuple] = None  # last stage: (work, copy) of grad(t)
+        self._weight_recv: Optional[tuple] = None  # last stage: (work, buffer) of W(t+1)
+        self.sent = {"grad": 0, "weights": 0}  # messages this end sent, for tests and the plan
+
+    # --- the first stage ----------------------------------------------------------
+    def post_grad_recv(self) -> None:
+        """First stage, at batch t's first backward: the receive of the last stage's grad(t)."""
+        if self.first and self._grad_recv is None:
+            buffer = torch.empty_like(self.weight.main_grad)
+            self._grad_recv = (dist.irecv(buffer, self.peer, group=self.group), buffer)
+
+    @torch.no_grad()
+    def exchange_grads(self) -> None:
+        """At OptimizerStep(t), after the data-parallel reduction: the last stage sends
+        O's gradient, the first adds it to E's."""
+        grad = self.weight.main_grad
+        if self.first:
+            self.post_grad_recv()  # normally posted at the batch's first backward already
+            work, buffer = self._grad_recv
+            self._grad_recv = None
+            work.wait()
+            grad.add_(buffer)
+            return
+        self._wait_grad_send()
+        copy = grad.detach().clone()
+        self._grad_send = (dist.isend(copy, self.peer, group=self.group), copy)
+        self.sent["grad"] += 1
+
+    def before_step(self) -> None:
+        """Before the optimizer step (and its stash snapshot): the last stage installs
+        W(t) (sent after the first stage's step t-1); the first stage makes sure its
+        send of the live weights is done before the step changes them."""
+        if self.first:
+            if self._weight_send is not None:
+                self._weight_send.wait()
+                self._weight_send = None
+            return
+        self.install()
+
+    def after_step(self) -> None:
+        """After the optimizer step t: the first stage sends W(t+1), the last posts its receive."""
+        if self.first:
+            self._weight_send = dist.isend(self.live, self.peer, group=self.group)
+            self.sent["weights"] += 1
+            return
+        self._wait_grad_send()
+        buffer = torch.empty_like(self.live)
+        self._weight_recv = (dist.irecv(buffer, self.peer, group=self.group), buffer)
+
+    @torch.no_grad()
+    def install(self) -> None:
+        """Last stage: wait for the newest weights sent and write them into the live output weight."""
+        if self.first or self._weight_recv is None:
+            return
+        work, buffer = self._weight_recv
+        self._weight_recv = None
+        work.wait()
+        self.live.copy_(buffer)
+
+    def _wait_grad_send(self) -> None:
+        if self._grad_send is not None:
+            self._grad_send[0].wait()
+            self._grad_send = None
+
+    def drain(self) -> None:
+        """Before a save, an evaluation or an exit: the live weights are the newest on
+        both stages and no transfer of this link is left posted."""
+        if self.first:
+            self.before_step()
+        else:
+            self.install()
+            self._wait_grad_send()
+
+    def buffer_bytes(self) -> int:
+        """Bytes this end holds for transfers at most at once (the memory plan's count):
+        the last stage a gradient copy and a weight buffer, the first a gradient buffer."""
+        grad = self.weight.main_grad.numel() * self.weight.main_grad.element_size()
+        weights = self.live.numel() * self.live.element_size()
+        return grad if self.first else grad + weights
+
+
+def _inner(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def ties_across_stages(model) -> bool:
+    """Whether the model ties its embeddings over a pipeline of 2 or more stages (the same answer on every rank)."""
+    from megatron.core import parallel_state
+
+    return (bool(getattr(_inner(model), "share_embeddings_and_output_weights", False))
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1)
+
+
+def tied_weight(model) -> Optional[torch.nn.Parameter]:
+    """The shared embedding (first stage) or output weight (last stage) of a model tied across stages."""
+    inner = _inner(model)
+    if not ties_across_stages(model) or inner.pre_process == inner.post_process:
+        return None  # a stage between, or (PP=1) both ends on one stage: nothing to exchange
+    return inner.shared_embedding_or_output_weight()
+
+
+def link_for(model, stash, group) -> Optional[TiedEmbeddings]:
+    """This stage's end of the link (first or last stage of a tied model), else None."""
+    from megatron.core import parallel_state
+
+    weight = tied_weight(model)
+    if weight is None:
+        return None
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    first = stage == 0
+    return TiedEmbeddings(weight, stash.live_storage(weight), group, ranks[-1] if first else ranks[0], first)
