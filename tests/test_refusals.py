@@ -56,8 +56,12 @@ CASES = {
                                                "--delay-correction predict needs --untie-embeddings-and-output-weights"),
     "rerun state machine, set explicitly": (2, BASE + TWO_BW + ["--rerun-mode", "validate_results"],
                                             "--rerun-mode must be disabled"),
-    "multi-token prediction": (2, BASE + TWO_BW + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-                               "--mtp-num-layers"),
+    "tied MTP saved as torch_dist (Megatron cannot)": (2, BASE + PP2 + SAVE + [
+        "--ckpt-format", "torch_dist", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+        "Megatron-Core 0.19.2 cannot save it"),
+    "weight prediction with multi-token prediction": (2, BASE + TWO_BW + [
+        "--delay-correction", "predict", "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1",
+        "--position-embedding-type", "rope"], "and no --mtp-num-layers"),
     "per-token loss": (2, BASE + TWO_BW + ["--calculate-per-token-loss"], "--calculate-per-token-loss"),
     "fp16 loss scaling": (2, BASE + TWO_BW + ["--fp16"], "--fp16"),
     "parameter norm": (2, BASE + TWO_BW + ["--log-params-norm"], "--log-params-norm"),
@@ -134,6 +138,8 @@ ACCEPTED = {
     "2bw, weight prediction, untied": (2, BASE + TWO_BW + ["--delay-correction", "predict",
                                                            "--untie-embeddings-and-output-weights"]),
     # Megatron's default tied embeddings (tests/test_tied_embeddings.py trains them)
+    "2bw, multi-token prediction": (2, BASE + TWO_BW + ["--mtp-num-layers", "1", "--position-embedding-type",
+                                                          "rope"]),
     "2bw, tied embeddings, PP=4": (4, _without(BASE, "--num-layers", "--global-batch-size") + [
         "--num-layers", "4", "--global-batch-size", "16", "--pipeline-model-parallel-size", "4",
         "--pipeline-schedule", "2bw"]),

@@ -313,15 +313,12 @@ def _validate_2bw(args: argparse.Namespace) -> None:
     _require(not args.virtual_pipeline_model_parallel_size,
              "--pipeline-schedule 2bw does not support virtual pipeline stages "
              "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
-    _require(args.untie_embeddings_and_output_weights or args.delay_correction != "predict",
-             "--pipeline-schedule 2bw: --delay-correction predict needs --untie-embeddings-and-output-weights: "
-             "with tied embeddings the last stage's output weight is the first stage's, sent after its step, "
-             "and a prediction from the last stage's own weights would extrapolate from a discarded update")
-    _require(not args.mtp_num_layers,
-             "--pipeline-schedule 2bw does not support --mtp-num-layers: the last stage's multi-token prediction "
-             "embeds its inputs with its own copy of the word embeddings, read in the forward at the stash's "
-             "version, which the tied-embedding link (first stage to last) does not carry yet "
-             "(docs/megatron_lm.md, 'Multi-token prediction')")
+    copies_embeddings = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
+    _require(not copies_embeddings or args.delay_correction != "predict",
+             "--pipeline-schedule 2bw: --delay-correction predict needs --untie-embeddings-and-output-weights "
+             "and no --mtp-num-layers: the last stage's copy of the word embeddings is the first stage's, sent "
+             "after its step, and a prediction from the last stage's own weights would extrapolate from a "
+             "discarded update")
     _require(args.clip_grad_mode == "stage-local" or args.clip_grad > 0,
              "--clip-grad-mode stale-global needs --clip-grad > 0")
     for name, refused, flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
@@ -342,6 +339,12 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
 
     for problem in (unwritable_save(args.save), resume_problem(args.load, args.save, getattr(args, "ckpt_step", None))):
         _require(problem is None, problem)
+    _require(not (args.save and args.ckpt_format == "torch_dist" and args.mtp_num_layers
+                  and not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1),
+             "--ckpt-format torch_dist with --mtp-num-layers, tied embeddings (no "
+             "--untie-embeddings-and-output-weights) and --pipeline-model-parallel-size > 1: Megatron-Core 0.19.2 "
+             "cannot save it (an assertion in GPTModel.sharded_state_dict at the first save, under any schedule); "
+             "use --ckpt-format torch or --untie-embeddings-and-output-weights")
     _require(args.eval_interval is not None or args.skip_train,
              "--eval-interval is required: Megatron sizes its validation data by --train-iters // --eval-interval "
              "(pass e.g. --eval-interval 1000; --eval-iters 0 skips validation)")

@@ -133,16 +133,24 @@ def _inner(model):
 
 
 def ties_across_stages(model) -> bool:
-    """Whether the model ties its embeddings over a pipeline of 2 or more stages (the same answer on every rank)."""
+    """Whether the last stage holds a copy of the first stage's word embeddings (tied
+    output weights, or multi-token prediction's embedding), over a pipeline of 2 or more
+    stages: the same answer on every rank."""
     from megatron.core import parallel_state
 
-    return (bool(getattr(_inner(model), "share_embeddings_and_output_weights", False))
-            and parallel_state.get_pipeline_model_parallel_world_size() > 1)
+    inner = _inner(model)
+    shares = getattr(inner, "share_embeddings_and_output_weights", False)
+    mtp = getattr(getattr(inner, "config", None), "mtp_num_layers", None)
+    return bool(shares or mtp) and parallel_state.get_pipeline_model_parallel_world_size() > 1
 
 
 def tied_weight(model) -> Optional[torch.nn.Parameter]:
-    """The shared embedding (first stage) or output weight (last stage) of a model tied across stages."""
+    """The word embeddings (first stage) or the last stage's copy of them: its output weight
+    when tied, multi-token prediction's embedding with MTP (one parameter if both)."""
     inner = _inner(model)
+    if getattr(inner, "mtp_process", False) and not inner.post_process:
+        raise ValueError("megatron-async: under 2bw the multi-token prediction layers must be on the last "
+                         "pipeline stage (its copy of the word embeddings is exchanged with the first stage)")
     if not ties_across_stages(model) or inner.pre_process == inner.post_process:
         return None  # a stage between, or (PP=1) both ends on one stage: nothing to exchange
     return inner.shared_embedding_or_output_weight()
