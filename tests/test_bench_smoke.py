@@ -70,6 +70,12 @@ def test_projection_reports_every_schedule_and_layout(tmp_path):
     assert {(r["schedule"], r["pp"]) for r in rows} >= {("1f1b", 4), ("2bw", 16), ("interleaved-1f1b", 8)}
     assert all(0 < r["efficiency"] <= 1 and r["tokens_per_s_per_gpu"] > 0 for r in rows)
     assert set(result["assumptions"]) >= {"peak_flops", "mfu", "ib_bytes_s", "optimizer"}
+    smollm = project.main(["--model", "smollm-360m", "--json", str(tmp_path / "smollm.json")])
+    rows = {(r["schedule"], r["pp"], r["m"]): r for r in smollm["rows"] if "efficiency" in r}
+    assert rows[("2bw", 4, 16)]["tokens_per_s_per_gpu"] > rows[("1f1b", 4, 16)]["tokens_per_s_per_gpu"] > 0
+    # grouped-query attention: Q and O are h x h, K and V h x (5 heads of 64); the 10B MoE has no GQA
+    assert project.SMOLLM_360M.attention_projection_params() == 2 * 960 * 960 + 2 * 960 * 64 * 5
+    assert project.MOE_10B.attention_projection_params() == 4 * 2048 * 2048
 
 
 def test_quick_optimizer_cost_splits_newton_schulz_between_ranks(tmp_path):

@@ -22,6 +22,8 @@
   the link turned off. A resume is bitwise.
 """
 
+import json
+
 import pytest
 
 from test_megatron_loop import (ITERS, MODEL, RESUME, _assert_same, _audit, _logged_losses, _losses, _run)
@@ -52,13 +54,27 @@ CASES = {
 }
 
 
+def _val_losses(tmp_path, name) -> list[float]:
+    path = tmp_path / f"{name}.jsonl"
+    return [r["val_loss"] for r in map(json.loads, path.read_text().splitlines()) if r.get("val_loss") is not None]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tied_2bw_equals_its_tied_twin(tmp_path, tied, case):
+    """With Adam at PP=2 also every other iteration's validation loss, taken at the newest
+    weights: the last stage must have installed the first stage's newest weights first."""
     pp, extra = CASES[case]
+    if case == "adam, PP=2":
+        extra = extra + ["--eval-interval", "2"]  # (the later --eval-interval wins in argparse)
     twin = _losses(tmp_path, "twin", 1, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", str(pp)])
     two_bw = _losses(tmp_path, "2bw", pp, extra + ["--pipeline-model-parallel-size", str(pp),
                                                    "--pipeline-schedule", "2bw"])
     _within(two_bw, twin)
+    if case == "adam, PP=2":
+        twin_val, two_bw_val = _val_losses(tmp_path, "twin"), _val_losses(tmp_path, "2bw")
+        assert len(twin_val) >= ITERS // 2 and len(two_bw_val) == len(twin_val), (twin_val, two_bw_val)
+        for x, y in zip(two_bw_val, twin_val):
+            assert abs(x - y) <= RTOL_TIED * abs(y), (two_bw_val, twin_val)
     if case == "adam, PP=2":  # negative control: each stage keeps its own copy
         proc, metrics = _run(tmp_path, "own_copy", 2, extra + PP2, module="megatron_async.testing.untied_copy")
         assert proc.returncode == 0, proc.stdout[-4000:]
