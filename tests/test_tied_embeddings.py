@@ -1,7 +1,7 @@
 """Tied input and output embeddings (Megatron's default) under 2bw, in Megatron's loop.
 
 - 2bw with tied embeddings equals its tied `--simulated-delay 1` twin at PP=1 (Adam at
-  PP=2 and PP=4, Muon + EF at PP=2). Tolerance: RTOL_TIED = 1e-5 relative. The
+  PP=2 and PP=4, Muon + EF at PP=2; with the distributed optimizer at DP=2 and at TP=2). Tolerance: RTOL_TIED = 1e-5 relative. The
   untied comparisons are bitwise (1e-6 allowed); tied, both pipelines sum the tied
   gradient as Megatron's own 1F1B does (each stage's part reduced over data-parallel
   ranks, then the two parts added), while the unpipelined twin adds the two parts
@@ -52,6 +52,20 @@ CASES = {
     "muon+ef, PP=2": (2, ["--optimizer", "muon", "--delay-correction", "ef"]),
     "adam, PP=4": (4, []),
 }
+# 4 ranks: the tied weight's own bucket in the distributed optimizer (the sum is added after
+# its reduce-scatter, on the shard both stages lay out alike), and vocabulary-parallel shards
+LAYOUTS = {
+    "dist-opt, PP=2 x DP=2": ["--use-distributed-optimizer"],
+    "PP=2 x TP=2": ["--tensor-model-parallel-size", "2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tied_2bw_equals_its_twin_across_data_and_tensor_parallel_ranks(tmp_path, tied, layout):
+    extra = LAYOUTS[layout]
+    twin = _losses(tmp_path, "twin", 2, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
+    two_bw = _losses(tmp_path, "2bw", 4, extra + PP2)
+    _within(two_bw, twin)
 
 
 def _val_losses(tmp_path, name) -> list[float]:
