@@ -59,6 +59,12 @@ CASES = {
     "tied MTP saved as torch_dist (Megatron cannot)": (2, BASE + PP2 + SAVE + [
         "--ckpt-format", "torch_dist", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
         "Megatron-Core 0.19.2 cannot save it"),
+    "parameter dumps of a tied model": (2, BASE + TWO_BW + ["--save-params-interval", "1"],
+                                        "--save-params-interval with tied embeddings"),
+    "gradient dumps": (2, BASE + TWO_BW + ["--save-wgrads-interval", "1"], "--save-wgrads-interval"),
+    "MTP with a pipeline layout": (2, BASE + TWO_BW + [
+        "--mtp-num-layers", "1", "--position-embedding-type", "rope",
+        "--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout with --mtp-num-layers"),
     "weight prediction with multi-token prediction": (2, BASE + TWO_BW + [
         "--delay-correction", "predict", "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1",
         "--position-embedding-type", "rope"], "and no --mtp-num-layers"),
@@ -138,6 +144,8 @@ ACCEPTED = {
     "2bw, weight prediction, untied": (2, BASE + TWO_BW + ["--delay-correction", "predict",
                                                            "--untie-embeddings-and-output-weights"]),
     # Megatron's default tied embeddings (tests/test_tied_embeddings.py trains them)
+    "2bw, parameter dumps of an untied model": (2, BASE + TWO_BW + ["--save-params-interval", "1",
+                                                                    "--untie-embeddings-and-output-weights"]),
     "2bw, multi-token prediction": (2, BASE + TWO_BW + ["--mtp-num-layers", "1", "--position-embedding-type",
                                                           "rope"]),
     "2bw, tied embeddings, PP=4": (4, _without(BASE, "--num-layers", "--global-batch-size") + [

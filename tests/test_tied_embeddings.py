@@ -187,3 +187,50 @@ def test_multi_token_prediction_resume_equals_the_uninterrupted_run(tmp_path, mo
     proc, second = _run(tmp_path, "second", 2, base + ["--load", ckpt])
     assert proc.returncode == 0, proc.stdout[-4000:]
     _assert_same(_logged_losses(first, second), full)
+
+
+def test_a_2bw_torch_checkpoint_of_a_tied_model_is_refused_by_a_synchronous_resume(tmp_path, tied):
+    """Its last stage's optimizer state of the embedding copy followed discarded updates;
+    1F1B would step from it. Control: the same in torch_dist (one copy saved) resumes."""
+    for ckpt_format, refused in (("torch", True), ("torch_dist", False)):
+        ckpt = str(tmp_path / ckpt_format)
+        base = FORMATS[ckpt_format] + ["--pipeline-model-parallel-size", "2"]
+        proc, _ = _run(tmp_path, f"{ckpt_format}_2bw", 2, base + ["--pipeline-schedule", "2bw", "--save", ckpt,
+                                                                  "--save-interval", "2", "--exit-interval", "2"])
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        proc, _ = _run(tmp_path, f"{ckpt_format}_1f1b", 2, base + ["--load", ckpt])
+        assert (proc.returncode != 0) == refused, proc.stdout[-4000:]
+        assert ("a synchronous schedule would step from it" in proc.stdout) == refused, proc.stdout[-3000:]
+
+
+def _pair_group_entry(rank, world_size):
+    """first_last_group on a PP=4 pipeline, every all_reduce recorded: the pair's
+    communicator is made at creation by a collective of both ends (NCCL would otherwise
+    make it lazily at the first send or receive, blocking until the other end joins)."""
+    import torch.distributed as dist
+
+    from megatron_async.pipeline import p2p
+    from megatron_async.testing.parallel import init_model_parallel
+
+    init_model_parallel(pipeline_model_parallel_size=4)
+    seen = []
+    original = dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        seen.append(dist.get_process_group_ranks(group) if group is not None else None)
+        return original(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        group = p2p.first_last_group()
+    finally:
+        dist.all_reduce = original
+    return (None if group is None else dist.get_process_group_ranks(group)), seen
+
+
+def test_the_first_last_group_makes_its_communicator_at_creation():
+    from megatron_async.testing.multiprocess import run_distributed
+
+    results = run_distributed(_pair_group_entry, 4)
+    assert [r[0] for r in results] == [[0, 3], None, None, [0, 3]]
+    assert [r[1] for r in results] == [[[0, 3]], [], [], [[0, 3]]]

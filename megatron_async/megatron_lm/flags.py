@@ -155,6 +155,9 @@ SILENTLY_WRONG_UNDER_2BW = (
      "they would never be computed"),
     ("cpu_offloading_num_layers", lambda v: (v or 0) > 0, "--cpu-offloading-num-layers", _OFFLOAD_WHY),
     ("fine_grained_activation_offloading", bool, "--fine-grained-activation-offloading", _OFFLOAD_WHY),
+    ("save_wgrads_interval", lambda v: v is not None, "--save-wgrads-interval",
+     "asks Megatron's schedule for all-reduced gradients (force_all_reduce), which 2bw's gradient "
+     "finalisation does not honour: the dump would hold reduce-scattered ones"),
     ("use_ring_exchange_p2p", bool, "--use-ring-exchange-p2p", _P2P_WHY),
     ("overlap_p2p_comm_warmup_flush", bool, "--overlap-p2p-communication-warmup-flush", _P2P_WHY),
 )
@@ -319,6 +322,13 @@ def _validate_2bw(args: argparse.Namespace) -> None:
              "and no --mtp-num-layers: the last stage's copy of the word embeddings is the first stage's, sent "
              "after its step, and a prediction from the last stage's own weights would extrapolate from a "
              "discarded update")
+    _require(not (copies_embeddings and args.save_params_interval),
+             "--pipeline-schedule 2bw: --save-params-interval with tied embeddings or --mtp-num-layers would dump "
+             "the last stage's copy of the word embeddings right after its own step, an update 2bw discards "
+             "(it installs the first stage's weights before the next step)")
+    _require(not args.mtp_num_layers or not args.pipeline_model_parallel_layout,
+             "--pipeline-schedule 2bw: --pipeline-model-parallel-layout with --mtp-num-layers: the MTP layers must "
+             "stay on the last stage, whose copy of the word embeddings the tied-embedding link keeps")
     _require(args.clip_grad_mode == "stage-local" or args.clip_grad > 0,
              "--clip-grad-mode stale-global needs --clip-grad > 0")
     for name, refused, flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
@@ -365,6 +375,12 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
     if not held.get("weight_stash"):
         return
     where = held["loaded_from"]
+    _require(stash or not held.get("embedding_copy_linked") or held.get("ckpt_format") != "torch",
+             f"--load {args.load}: the checkpoint in {where} is a --pipeline-schedule 2bw run's in --ckpt-format "
+             "torch with tied embeddings or --mtp-num-layers; there the last stage's optimizer state of its copy "
+             "of the word embeddings followed discarded updates (2bw sends it the first stage's weights), and "
+             "a synchronous schedule would step from it and untie the copy. Resume it with --pipeline-schedule "
+             "2bw, or save it as --ckpt-format torch_dist (which keeps one copy) first")
     if not stash:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"megatron-async: {where} holds 2bw state (the older weight version"

@@ -229,6 +229,9 @@ def saved_contents_marker() -> dict:
             STALE_NORM_KEY: STATE.stale_norm is not None,
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
             "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
+            # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
+            "embedding_copy_linked": args.pipeline_schedule == "2bw" and (
+                not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)),
             "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
 
 

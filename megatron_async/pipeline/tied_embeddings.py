@@ -118,6 +118,21 @@ class TiedEmbeddings:
             self.install()
             self._wait_grad_send()
 
+    def abandon(self, timeout_s: float) -> int:
+        """Training stopped by an exception: wait (bounded) for this end's sends; returns how
+        many were never received. Receives posted are left: nothing is driven any further."""
+        import datetime
+
+        sends = [w for w in (self._weight_send, self._grad_send and self._grad_send[0]) if w is not None]
+        self._weight_send = self._grad_send = None
+        lost = 0
+        for work in sends:
+            try:
+                work.wait(datetime.timedelta(seconds=timeout_s))
+            except RuntimeError:
+                lost += 1
+        return lost
+
     def buffer_bytes(self) -> int:
         """Bytes this end holds for transfers at most at once (the memory plan's count):
         the last stage a gradient copy and a weight buffer, the first a gradient buffer."""

@@ -81,7 +81,8 @@ class TwoBWRunner:
         self._loss_flag: LossFlag | None = None  # batch t's losses, checked after OptimizerStep(t)
         disable_first_microbatch_caches(model)  # before the first forward: TE's fp8 weight cache
         # tied embeddings: the first and last stage's own link (a collective to create: every rank)
-        self.tied = link_for(self.model, self.stash, first_last_group()) if ties_across_stages(self.model) else None
+        self.tied = (link_for(self.model, self.stash, first_last_group(self.device))
+                     if ties_across_stages(self.model) else None)
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         if data_for is None:
             data_for = lambda k: iter([get_microbatch(k)])  # noqa: E731
@@ -188,7 +189,8 @@ class TwoBWRunner:
         """Training stopped by an exception: wait (bounded, a neighbour may be gone) for
         the sends this stage posted; returns how many were never received. Nothing is
         received or posted: the pipeline is not driven any further."""
-        return self.executor.pending_sends.wait_all(timeout_s)
+        lost = self.executor.pending_sends.wait_all(timeout_s)
+        return lost + (self.tied.abandon(timeout_s) if self.tied else 0)
 
     def finish(self) -> None:
         self.executor.finish()
