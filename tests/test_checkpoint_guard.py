@@ -45,6 +45,16 @@ def test_a_misspelt_load_does_not_overwrite_the_real_checkpoints(tmp_path):
     assert resume_problem(str(run), str(run), None) is None  # resuming from them is fine
 
 
+def test_a_requeue_after_a_kill_between_a_save_and_its_tracker_resumes(tmp_path):
+    """Killed after finishing iteration 24 but before the tracker named it: the requeue
+    (--load = --save) resumes from 22 as Megatron does, and retrains 23-24 bit for bit.
+    Control: a run that would start elsewhere over those checkpoints is still refused."""
+    run = _checkpoints(tmp_path / "run", [20, 22, 24], tracker=22)
+    assert resume_problem(str(run), str(run), None) is None
+    assert "newer" in resume_problem(str(tmp_path / "other"), str(run), None)
+    assert "newer" in resume_problem(str(run), str(run), 20)  # an explicit older --ckpt-step still is
+
+
 def test_the_first_job_of_a_requeue_chain_starts(tmp_path):
     assert resume_problem(str(tmp_path / "new"), str(tmp_path / "new"), None) is None
     empty = tmp_path / "empty"

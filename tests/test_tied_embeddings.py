@@ -113,11 +113,8 @@ FORMATS = {"torch_dist": RESUME, "torch": [a for a in RESUME if a != "torch_dist
            + ["--ckpt-format", "torch"]}
 
 
-@pytest.mark.parametrize("ckpt_format", list(FORMATS))
-def test_tied_resume_equals_the_uninterrupted_run(tmp_path, tied, ckpt_format):
-    """Saved at 4 (exit there), resumed to 8, dropout on: equal to the uninterrupted run
-    (observed bitwise; allowed 1e-6, as untied)."""
-    base = FORMATS[ckpt_format] + PP2
+def _resume_equals_uninterrupted(tmp_path, base):
+    """Saved at 4 (exit there), resumed to 8: the losses equal the uninterrupted run's."""
     full = _losses(tmp_path, "full", 2, base)
     ckpt = str(tmp_path / "ckpt")
     proc, first = _run(tmp_path, "first", 2, base + ["--save", ckpt, "--save-interval", "4", "--exit-interval", "4"])
@@ -125,6 +122,13 @@ def test_tied_resume_equals_the_uninterrupted_run(tmp_path, tied, ckpt_format):
     proc, second = _run(tmp_path, "second", 2, base + ["--load", ckpt])
     assert proc.returncode == 0, proc.stdout[-4000:]
     _assert_same(_logged_losses(first, second), full)
+
+
+@pytest.mark.parametrize("ckpt_format", list(FORMATS))
+def test_tied_resume_equals_the_uninterrupted_run(tmp_path, tied, ckpt_format):
+    """Saved at 4 (exit there), resumed to 8, dropout on: equal to the uninterrupted run
+    (observed bitwise; allowed 1e-6, as untied)."""
+    _resume_equals_uninterrupted(tmp_path, FORMATS[ckpt_format] + PP2)
 
 
 @pytest.mark.parametrize("saved_untied", [False, True], ids=["tied->untied", "untied->tied"])
@@ -179,14 +183,7 @@ def test_multi_token_prediction_resume_equals_the_uninterrupted_run(tmp_path, mo
     """(Tied embeddings with MTP at PP > 1 cannot be saved as torch_dist by Megatron-Core
     0.19.2 itself, 1F1B too: refused before training, tests/test_refusals.py.)"""
     monkeypatch.setattr(loop, "MODEL", _mtp_model(tied_embeddings))
-    base = FORMATS[ckpt_format] + PP2
-    full = _losses(tmp_path, "full", 2, base)
-    ckpt = str(tmp_path / "ckpt")
-    proc, first = _run(tmp_path, "first", 2, base + ["--save", ckpt, "--save-interval", "4", "--exit-interval", "4"])
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    proc, second = _run(tmp_path, "second", 2, base + ["--load", ckpt])
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    _assert_same(_logged_losses(first, second), full)
+    _resume_equals_uninterrupted(tmp_path, FORMATS[ckpt_format] + PP2)
 
 
 def test_a_2bw_torch_checkpoint_of_a_tied_model_is_refused_by_a_synchronous_resume(tmp_path, tied):

@@ -14,9 +14,6 @@
 # TOKENIZER_MODEL (a local Hugging Face tokenizer directory), RUN_DIR (checkpoints, logs);
 # MOCK_DATA=1 trains on Megatron's mock data instead (smoke runs, dry runs).
 
-: "${RUN_DIR:?set RUN_DIR to the run directory (checkpoints, TensorBoard, metrics)}"
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
-
 MODEL_ARGS=(
   --num-layers 24 --hidden-size 2048 --num-attention-heads 16
   --seq-length 4096 --max-position-embeddings 4096
@@ -44,24 +41,10 @@ BATCH_ARGS=(
   --micro-batch-size 1 --global-batch-size 512  # 2.1M tokens a step; m = 512 / 8 = 64 microbatches
   --train-iters 95368                           # 95,368 x 512 x 4,096 = 200.0B tokens
 )
-if [[ "${MOCK_DATA:-0}" == 1 ]]; then  # smoke runs and dry runs without the corpus
-  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50304 --num-workers 2)
-else
-  : "${DATA_PREFIX:?set DATA_PREFIX to the prepared dataset prefix (examples/moe_10b/prepare_data.sh)}"
-  : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a local tokenizer directory}"
-  read -ra DATA_PATHS <<< "$DATA_PREFIX"       # one or more prefixes, blended by size
-  DATA_ARGS=(
-    --data-path "${DATA_PATHS[@]}" --split "998,2,0"
-    --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL"
-    --data-cache-path "$RUN_DIR/data_cache" --num-workers 2
-  )
-fi
-OUTPUT_ARGS=(
-  --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000
-  --exit-signal-handler   # SIGTERM (the sbatch's --signal, scancel --signal): every rank stops and saves at one iteration
-  --log-interval 10 --eval-interval 1000 --eval-iters 20
-  --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-json "$RUN_DIR/metrics.jsonl"
-)
+# shellcheck disable=SC2034  # read by examples/data_and_output.sh
+MOCK_VOCAB_SIZE=50304
+# shellcheck source=examples/data_and_output.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../data_and_output.sh"   # DATA_ARGS, OUTPUT_ARGS
 # shellcheck disable=SC2034  # read by the script that sources this file
 TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${BATCH_ARGS[@]}"
             "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}")

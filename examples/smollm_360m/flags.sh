@@ -16,9 +16,6 @@
 # of SmolLM's tokenizer), RUN_DIR (checkpoints, logs); MOCK_DATA=1 trains on Megatron's
 # mock data instead (smoke runs, dry runs, the plan).
 
-: "${RUN_DIR:?set RUN_DIR to the run directory (checkpoints, TensorBoard, metrics)}"
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
-
 MODEL_ARGS=(
   --num-layers 32 --hidden-size 960 --ffn-hidden-size 2560
   --num-attention-heads 15 --group-query-attention --num-query-groups 5
@@ -44,24 +41,10 @@ BATCH_ARGS=(
   --micro-batch-size 8 --global-batch-size 256  # 0.5M tokens a step; m = 256 / (8 x DP 2) = 16 microbatches
   --train-iters 19073                           # 19,073 x 256 x 2,048 = 10.0B tokens
 )
-if [[ "${MOCK_DATA:-0}" == 1 ]]; then  # smoke runs, dry runs and the plan, without the corpus
-  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 49151 --num-workers 2)  # + end of document = 49,152
-else
-  : "${DATA_PREFIX:?set DATA_PREFIX to the prepared dataset prefix (examples/moe_10b/prepare_data.sh)}"
-  : "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a local copy of the SmolLM tokenizer}"
-  read -ra DATA_PATHS <<< "$DATA_PREFIX"       # one or more prefixes, blended by size
-  DATA_ARGS=(
-    --data-path "${DATA_PATHS[@]}" --split "998,2,0"
-    --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL"
-    --data-cache-path "$RUN_DIR/data_cache" --num-workers 2
-  )
-fi
-OUTPUT_ARGS=(
-  --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000
-  --exit-signal-handler   # SIGTERM (the sbatch's --signal, scancel --signal): every rank stops and saves at one iteration
-  --log-interval 10 --eval-interval 1000 --eval-iters 20
-  --tensorboard-dir "$RUN_DIR/tensorboard" --metrics-json "$RUN_DIR/metrics.jsonl"
-)
+# shellcheck disable=SC2034  # read by examples/data_and_output.sh
+MOCK_VOCAB_SIZE=49151  # + end of document = 49,152
+# shellcheck source=examples/data_and_output.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../data_and_output.sh"   # DATA_ARGS, OUTPUT_ARGS
 # shellcheck disable=SC2034  # read by the script that sources this file
 TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${BATCH_ARGS[@]}"
             "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}")

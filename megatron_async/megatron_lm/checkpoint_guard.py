@@ -75,6 +75,13 @@ def resume_problem(load: Optional[str], save: Optional[str], ckpt_step: Optional
                     f"readable {TRACKER}, so Megatron would start from scratch; pass --ckpt-step {held[-1]} to "
                     f"resume from it, or restore the tracker file")
     newer = [i for i in complete_iterations(save) if i > start]
+    lagging_tracker = (load and save and ckpt_step is None and tracked is not None
+                       and os.path.realpath(load) == os.path.realpath(save))
+    if newer and lagging_tracker:
+        # a job stopped between finishing a checkpoint and updating the tracker (a node
+        # failure, SIGKILL): its requeue resumes from the tracked one, as Megatron does, and
+        # trains the same iterations again (resumes are bit for bit) over the newer ones
+        return None
     if newer:
         where = f"resumes from iteration {start} of --load {load}" if load and start else "starts from scratch"
         return (f"--save {save} holds checkpoints newer than this run, which {where} (the newest: iteration "
