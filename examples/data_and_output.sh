@@ -7,6 +7,7 @@
 
 : "${RUN_DIR:?set RUN_DIR to the run directory (checkpoints, TensorBoard, metrics)}"
 TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
+# shellcheck disable=SC2034  # DATA_ARGS: read by the config that sources this file
 if [[ "${MOCK_DATA:-0}" == 1 ]]; then  # smoke runs, dry runs and plans, without the corpus
   DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${MOCK_VOCAB_SIZE:?}" --num-workers 2)
 else
