@@ -47,7 +47,6 @@ class TiedEmbeddings:
         self._weight_send = None  # first stage: the work of W(t+1)'s send (of the live weights)
         self._grad_send: Optional[tuple] = None  # last stage: (work, copy) of grad(t)
         self._weight_recv: Optional[tuple] = None  # last stage: (work, buffer) of W(t+1)
-        self.sent = {"grad": 0, "weights": 0}  # messages this end sent, for tests and the plan
 
     # --- the first stage ----------------------------------------------------------
     def post_grad_recv(self) -> None:
@@ -71,7 +70,6 @@ class TiedEmbeddings:
         self._wait_grad_send()
         copy = grad.detach().clone()
         self._grad_send = (dist.isend(copy, self.peer, group=self.group), copy)
-        self.sent["grad"] += 1
 
     def before_step(self) -> None:
         """Before the optimizer step (and its stash snapshot): the last stage installs
@@ -88,7 +86,6 @@ class TiedEmbeddings:
         """After the optimizer step t: the first stage sends W(t+1), the last posts its receive."""
         if self.first:
             self._weight_send = dist.isend(self.live, self.peer, group=self.group)
-            self.sent["weights"] += 1
             return
         self._wait_grad_send()
         buffer = torch.empty_like(self.live)
@@ -133,18 +130,12 @@ class TiedEmbeddings:
                 lost += 1
         return lost
 
-    def buffer_bytes(self) -> int:
-        """Bytes this end holds for transfers at most at once (the memory plan's count):
-        the last stage a gradient copy and a weight buffer, the first a gradient buffer."""
-        grad = self.weight.main_grad.numel() * self.weight.main_grad.element_size()
-        weights = self.live.numel() * self.live.element_size()
-        return grad if self.first else grad + weights
 
+def _language_model(model):
+    """The GPT inside DDP and other wrappers (Megatron's own unwrapping)."""
+    from megatron.core.utils import get_attr_wrapped_model
 
-def _inner(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+    return get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
 
 
 def ties_across_stages(model) -> bool:
@@ -153,7 +144,7 @@ def ties_across_stages(model) -> bool:
     stages: the same answer on every rank."""
     from megatron.core import parallel_state
 
-    inner = _inner(model)
+    inner = _language_model(model)
     shares = getattr(inner, "share_embeddings_and_output_weights", False)
     mtp = getattr(getattr(inner, "config", None), "mtp_num_layers", None)
     return bool(shares or mtp) and parallel_state.get_pipeline_model_parallel_world_size() > 1
@@ -162,7 +153,7 @@ def ties_across_stages(model) -> bool:
 def tied_weight(model) -> Optional[torch.nn.Parameter]:
     """The word embeddings (first stage) or the last stage's copy of them: its output weight
     when tied, multi-token prediction's embedding with MTP (one parameter if both)."""
-    inner = _inner(model)
+    inner = _language_model(model)
     if getattr(inner, "mtp_process", False) and not inner.post_process:
         raise ValueError("megatron-async: under 2bw the multi-token prediction layers must be on the last "
                          "pipeline stage (its copy of the word embeddings is exchanged with the first stage)")
