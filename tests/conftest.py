@@ -20,6 +20,23 @@ def module_text(name: str) -> str:
     return "\n\n".join(p for p in parts if p.strip())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mock_data_cache(tmp_path_factory):
+    """One folder per pytest worker for the index of Megatron's mock dataset (built once
+    per configuration instead of once per rank and run: testing/warm_launch.py); removed
+    at the end, as the index of one configuration takes up to 150 MB."""
+    import os
+    import shutil
+
+    from megatron_async.testing.warm_launch import MOCK_DATA_CACHE_ENV
+
+    folder = tmp_path_factory.mktemp("mock_data_cache")
+    os.environ[MOCK_DATA_CACHE_ENV] = str(folder)
+    yield folder
+    os.environ.pop(MOCK_DATA_CACHE_ENV, None)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def text_files(tmp_path_factory):
     """One UTF-8 .txt file per stdlib module (about 100k characters in all); paths as strings."""

@@ -15,6 +15,12 @@ others stopped, and the exit status is non-zero when any rank failed; the output
 then ends with a line per rank that failed or was stopped, with its exit code. A
 run past its timeout is killed and raises TimeoutError naming the ranks still running.
 Tests of torchrun itself (a killed launcher, refusals under torchrun) keep torchrun.
+
+`--mock-data` runs get Megatron's own `--data-cache-path` when the suite names a cache
+folder ($MEGATRON_ASYNC_MOCK_DATA_CACHE, one per pytest worker: tests/conftest.py):
+Megatron's mock dataset shuffles an index of millions of samples on every rank of
+every run (about 0.5 s of CPU a rank), and with the cache its first run saves the
+index and later runs load it. The index is the same either way, so is the data.
 """
 
 from __future__ import annotations
@@ -32,6 +38,18 @@ from typing import Mapping, Sequence
 from megatron_async.testing.multiprocess import _context, free_port
 
 STOP_GRACE_S = 5.0
+MOCK_DATA_CACHE_ENV = "MEGATRON_ASYNC_MOCK_DATA_CACHE"
+
+
+def with_mock_data_cache(argv: Sequence[str]) -> list[str]:
+    """`argv` plus `--data-cache-path` for a `--mock-data` run that names no cache,
+    when the suite set one (sequential runs only: two runs that build the same index
+    at once would write the same files)."""
+    argv = [str(a) for a in argv]
+    cache = os.environ.get(MOCK_DATA_CACHE_ENV)
+    if cache and "--mock-data" in argv and "--data-cache-path" not in argv:
+        argv += ["--data-cache-path", cache]
+    return argv
 
 
 def _rank_main(module: str, argv: list[str], env: dict, log_path: str, cwd: str | None) -> None:
@@ -48,8 +66,21 @@ def _rank_main(module: str, argv: list[str], env: dict, log_path: str, cwd: str 
     import torch
 
     torch.set_num_threads(1)  # the forkserver's OpenMP read its thread count before this rank's env
+    _fork_the_checkpoint_results_queue()
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _fork_the_checkpoint_results_queue() -> None:
+    """Megatron's torch_dist writer keeps its results in a `spawn` Manager, started at
+    a rank's first save. Its server imports torch to unpickle the first results (about
+    2 s of CPU per rank and run, a third of a short test run). Here the server is
+    forked from the rank, with torch already imported; the queue and what passes
+    through it are the same. Only these test ranks do this; torchrun jobs keep spawn."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    spawned = filesystem_async.get_write_results_queue
+    filesystem_async.get_write_results_queue = lambda mp_mode="fork": spawned(mp_mode)
 
 
 def _stop(procs) -> None:
@@ -72,7 +103,7 @@ def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env
     base = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                 TORCHELASTIC_RUN_ID=f"warm-{port}", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
-    argv = [str(a) for a in argv]
+    argv = with_mock_data_cache(argv)
     with tempfile.NamedTemporaryFile("r", prefix="warm_launch_", suffix=".log") as log:
         procs = [ctx.Process(target=_rank_main, name=f"rank{rank}",  # not daemonic: checkpointing forks
                              args=(module, argv, dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), log.name,
