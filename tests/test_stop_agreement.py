@@ -1,31 +1,27 @@
 """--exit-signal-handler and --exit-duration-in-mins under 2bw (pipeline/stop_agreement.py).
 
-A 2bw PP=2 job (real torchrun, dropout 0.1) is stopped mid-training, by SIGTERM to the
+A 2bw PP=2 job (two gloo ranks, dropout 0.1) is stopped mid-training, by SIGTERM to the
 last stage's worker only, or by its duration running out (`--exit-duration-in-mins 1`
 with Megatron's clock started 57 s early). Every rank stops after the
 same iteration, agreed LAG iterations after the first rank saw the reason, saves
 there and exits 0. Resumed from that checkpoint, its per-iteration losses equal an
-uninterrupted run's bit for bit. The stopped job runs under torchrun (a signal to one
-worker); the resumed and uninterrupted ones from warm ranks (testing/warm_launch.py), which
-skip the imports. All runs use one --train-iters (so one learning-rate
+uninterrupted run's bit for bit. Every job runs from warm ranks (testing/warm_launch.py),
+the stopped one in the background (WarmJob), so the signal goes to one worker as it
+would under torchrun. All runs use one --train-iters (so one learning-rate
 schedule) and stop with --exit-interval; the uninterrupted run is shared by both cases. That the agreement waits on nothing across
 stages is tests/test_megatron_loop.py's collective audit.
 """
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 from test_megatron_loop import CPU, MODEL, RESUME, TRAIN
 
 from megatron_async.pipeline.stop_agreement import LAG
-from megatron_async.testing.launch import finish_job
-from megatron_async.testing.warm_launch import warm_run
+from megatron_async.testing.warm_launch import WarmJob, warm_run
 
 
 
@@ -38,29 +34,18 @@ def _flags(tmp_path, name, extra):
             "--metrics-json", str(tmp_path / f"{name}.jsonl"), *map(str, extra)]
 
 
-def _torchrun(argv, log, clock_ahead_s=None):
-    """torchrun of the launcher; with `clock_ahead_s`, through the test entry whose
-    Megatron training clock started that much earlier (--exit-duration-in-mins counts
-    whole minutes)."""
+def _start(argv, log, clock_ahead_s=None):
+    """The launcher's job in the background; with `clock_ahead_s`, through the test entry
+    whose Megatron training clock started that much earlier (--exit-duration-in-mins
+    counts whole minutes)."""
     module = "megatron_async.launch" if clock_ahead_s is None else "megatron_async.testing.step_end_entry"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", module, *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if clock_ahead_s is not None:
-        env["MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S"] = str(clock_ahead_s)
-    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    env = {} if clock_ahead_s is None else {"MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S": str(clock_ahead_s)}
+    return WarmJob(module, argv, 2, env=env, log_path=log)
 
 
 def _losses(path) -> dict:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
-
-
-def _worker(launcher_pid: int, rank: int) -> int:
-    for child in os.popen(f"pgrep -P {launcher_pid}").read().split():
-        with open(f"/proc/{child}/environ", "rb") as f:
-            if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                return int(child)
-    raise AssertionError(f"no worker of rank {rank}")
 
 
 WHOLE = 120  # iterations of the uninterrupted run both cases compare with (about 0.1 s each here)
@@ -83,19 +68,19 @@ def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_pa
     extra += ["--exit-signal-handler"] if reason == "signal" else ["--exit-duration-in-mins", 1]
     log = tmp_path / "stopped.log"
     # the duration case: Megatron's clock starts 57 s ahead, so the minute runs out some 30 iterations into training
-    proc = _torchrun(_flags(tmp_path, "stopped", extra), log, clock_ahead_s=None if reason == "signal" else 57)
+    job = _start(_flags(tmp_path, "stopped", extra), log, clock_ahead_s=None if reason == "signal" else 57)
     try:
         if reason == "signal":
             deadline = time.monotonic() + 180
             while len(_losses(tmp_path / "stopped.jsonl")) < 3 if (tmp_path / "stopped.jsonl").exists() else True:
-                assert proc.poll() is None, log.read_text()[-3000:]
+                assert job.running(), log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "no third iteration within 180 s"
-                time.sleep(0.2)
-            os.kill(_worker(proc.pid, 1), signal.SIGTERM)  # the last stage only; the first learns it by agreement
-        code, out = finish_job(proc, log)
+                time.sleep(0.1)
+            job.signal(1, signal.SIGTERM)  # the last stage only; the first learns it by agreement
+        finished = job.wait(300)
+        code, out = finished.returncode, finished.stdout
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        job.kill()
     assert code == 0, out[-4000:]
     stop = int(re.search(r"stopping after iteration (\d+), agreed by every rank", out).group(1))
     seen = int(re.search(r"\(seen after iteration (\d+)\)", out).group(1))

@@ -53,6 +53,7 @@ def with_mock_data_cache(argv: Sequence[str]) -> list[str]:
 
 
 def _rank_main(module: str, argv: list[str], env: dict, log_path: str, cwd: str | None) -> None:
+    os.setpgid(0, 0)  # the rank and what it starts: one group, which WarmJob.kill ends
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -95,41 +96,84 @@ def _stop(procs) -> None:
             proc.join(timeout=10)
 
 
-def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
-             cwd=None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node NPROC -m MODULE ARGV` with warm ranks."""
-    ctx = _context()
-    port = free_port()
-    base = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                TORCHELASTIC_RUN_ID=f"warm-{port}", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
-    argv = with_mock_data_cache(argv)
-    with tempfile.NamedTemporaryFile("r", prefix="warm_launch_", suffix=".log") as log:
-        procs = [ctx.Process(target=_rank_main, name=f"rank{rank}",  # not daemonic: checkpointing forks
-                             args=(module, argv, dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), log.name,
-                                   str(cwd) if cwd else None))
-                 for rank in range(nproc)]
-        for proc in procs:
+class WarmJob:
+    """A job of warm ranks running in the background, as `torchrun ... &` would be: its
+    ranks' pids, a signal to one rank, SIGKILL to the whole job (each rank leads its
+    own process group, so its children go with it), and `wait` for its end."""
+
+    def __init__(self, module: str, argv: Sequence[str], nproc: int, env: Mapping[str, str] | None = None,
+                 cwd=None, log_path=None):
+        ctx = _context()
+        port = free_port()
+        base = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                    TORCHELASTIC_RUN_ID=f"warm-{port}", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+        self.module, self.nproc = module, nproc
+        self.argv = with_mock_data_cache(argv)
+        self._temporary = log_path is None
+        if self._temporary:
+            fd, log_path = tempfile.mkstemp(prefix="warm_launch_", suffix=".log")
+            os.close(fd)
+        self.log = Path(log_path)
+        self.log.write_text("")
+        self.procs = [ctx.Process(target=_rank_main, name=f"rank{rank}",  # not daemonic: checkpointing forks
+                                  args=(module, self.argv, dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                        str(self.log), str(cwd) if cwd else None))
+                      for rank in range(nproc)]
+        for proc in self.procs:
             proc.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def running(self) -> bool:
+        """True while every rank runs or none has failed yet (as torchrun: one failure ends the job)."""
+        return any(p.is_alive() for p in self.procs) and not any(p.exitcode not in (None, 0) for p in self.procs)
+
+    def signal(self, rank: int, sig: int) -> None:
+        os.kill(self.procs[rank].pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL to every rank and its children, as a node failure would."""
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+
+    def wait(self, timeout_s: float) -> subprocess.CompletedProcess:
+        """The job's end: its exit code (torchrun's rule) and its output, which ends with
+        a line per rank that failed or was stopped. Past `timeout_s` every rank is
+        stopped and TimeoutError names the ranks still running."""
+        procs = self.procs
         deadline = time.monotonic() + timeout_s
         try:
-            while any(p.is_alive() for p in procs):
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break  # as torchrun: one rank failed, the others are stopped
+            while self.running():
                 if time.monotonic() > deadline:  # the finally below stops them
                     running = [r for r, p in enumerate(procs) if p.is_alive()]
-                    raise TimeoutError(f"ranks {running} of {nproc} did not finish within {timeout_s:.0f} s:\n"
-                                       + Path(log.name).read_text(errors="replace")[-5000:])
+                    raise TimeoutError(f"ranks {running} of {self.nproc} did not finish within {timeout_s:.0f} s:\n"
+                                       + self.log.read_text(errors="replace")[-5000:])
                 time.sleep(0.05)
         finally:
             stopped = [r for r, p in enumerate(procs) if p.is_alive()]
             _stop(procs)
+            out = self.log.read_text(errors="replace")
+            if self._temporary:
+                self.log.unlink(missing_ok=True)
         codes = [p.exitcode for p in procs]
-        out = Path(log.name).read_text(errors="replace")
-    for rank, code in enumerate(codes):
-        if code != 0:
-            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            out += f"warm_launch: rank {rank} of {nproc} {'stopped' if rank in stopped else 'failed'} ({why})\n"
-    failed = [c for r, c in enumerate(codes) if c != 0 and r not in stopped]
-    returncode = next((c for c in failed if c > 0), 1) if failed else 0
-    return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], returncode, out, None)
+        for rank, code in enumerate(codes):
+            if code != 0:
+                why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                out += f"warm_launch: rank {rank} of {self.nproc} {'stopped' if rank in stopped else 'failed'} ({why})\n"
+        failed = [c for r, c in enumerate(codes) if c != 0 and r not in stopped]
+        returncode = next((c for c in failed if c > 0), 1) if failed else 0
+        return subprocess.CompletedProcess([sys.executable, "-m", self.module, *self.argv], returncode, out, None)
+
+
+def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
+             cwd=None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node NPROC -m MODULE ARGV` with warm ranks."""
+    return WarmJob(module, argv, nproc, env=env, cwd=cwd).wait(timeout_s)
