@@ -11,6 +11,15 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def warm_benchmark_ranks(monkeypatch):
+    """The sweep's jobs on warm ranks (megatron_async/testing/launch.py's start_torchrun):
+    these tests check what the sweep runs, records and resumes, not how fast."""
+    from megatron_async.testing.launch import BENCH_WARM_ENV
+
+    monkeypatch.setenv(BENCH_WARM_ENV, "1")
+
+
 def _sweep(out, data, *extra):
     cmd = [sys.executable, "-m", "bench.delay.delay_sweep", "--quick", "--out", str(out), "--data", str(data), *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -6,7 +6,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def warm_benchmark_ranks(monkeypatch):
+    """The sweep's jobs on warm ranks (megatron_async/testing/launch.py's start_torchrun):
+    these tests check what the sweep runs, records and resumes, not how fast."""
+    from megatron_async.testing.launch import BENCH_WARM_ENV
+
+    monkeypatch.setenv(BENCH_WARM_ENV, "1")
 
 
 def test_quick_variable_delay_ablation(small_corpus, tmp_path):

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_async.testing.launch import BENCH_WARM_ENV, start_torchrun
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -218,9 +220,12 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, ar
            *(["--load", str(ckpt)] if resume else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
-    with open(out / "train.log", "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              preexec_fn=_die_with_parent)
+    if os.environ.get(BENCH_WARM_ENV) == "1":  # the smoke tests: warm ranks (testing/launch.py)
+        proc = start_torchrun(cmd, cwd=REPO, env=env, log_path=out / "train.log").wait(timeout_s)
+    else:
+        with open(out / "train.log", "w", encoding="utf-8") as log:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  preexec_fn=_die_with_parent)
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         tail = (out / "train.log").read_text(errors="replace")[-3000:]

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 from bench.delay.sweep_runner import prepare_dirs
-from megatron_async.testing.launch import torchrun_megatron
+from megatron_async.testing.launch import BENCH_WARM_ENV, torchrun_megatron
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--position-embedding-type", "learned_absolute",
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
         str(settle), "--rank-stats-dir", stats_dir, "--metrics-json", root / "metrics.jsonl",
     ]
     started = time.monotonic()
-    proc = torchrun_megatron(cmd, nproc=2, timeout_s=4 * 3600, warm=False)  # the real launcher: it is measured
+    # the real launcher, which is measured; warm ranks only for the smoke test (testing/launch.py)
+    proc = torchrun_megatron(cmd, nproc=2, timeout_s=4 * 3600, warm=os.environ.get(BENCH_WARM_ENV) == "1")
     if proc.returncode != 0:
         print(proc.stdout[-5000:])
         return proc.returncode

@@ -28,12 +28,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.results import emit
+from megatron_async.testing.launch import start_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,12 +130,10 @@ def run(model: dict, config: tuple, iters: int, untie: bool = True) -> float:
             if copies > 1:
                 cmd = [c for c in cmd if c != "--standalone"]
                 cmd[3:3] = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{29600 + i}", "--nnodes", "1"]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        outputs = [p.communicate(timeout=1800)[0] for p in procs]
-        for p, out in zip(procs, outputs):
-            if p.returncode != 0:
-                raise RuntimeError(f"{name} failed:\n{out[-3000:]}")
+            procs.append(start_torchrun(cmd, cwd=ROOT, env=env))
+        for done in [p.wait(1800) for p in procs]:
+            if done.returncode != 0:
+                raise RuntimeError(f"{name} failed:\n{done.stdout[-3000:]}")
         return statistics.fmean(seconds_per_microbatch(d, m) for d in dirs)
 
 

@@ -23,17 +23,17 @@ timed functions and then runs `megatron_async.launch` unchanged.
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from megatron_async.testing.launch import start_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_TIMED_ITERATION = 10  # iterations before this are warm-up (allocation, first-touch, stream start)
@@ -113,9 +113,10 @@ def worker(argv: list[str], out: str) -> int:
         return result
 
     cpu.setup_device = setup_then_instrument
-    atexit.register(lambda: Path(out, f"rank{os.environ.get('RANK', '0')}.json").write_text(
-        json.dumps(clock.record())))
-    return main(argv)
+    try:
+        return main(argv)
+    finally:  # also on sys.exit; not atexit, which a rank forked by the smoke test's warm launcher never runs
+        Path(out, f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(clock.record()))
 
 
 # --- the driver ------------------------------------------------------------------
@@ -137,9 +138,8 @@ def run(model: dict, config: tuple, iters: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = command(model, pp, m, extra, iters, os.path.join(tmp, "stats"))
         at = cmd.index("megatron_async.launch")
-        cmd[at - 1:at + 1] = [str(Path(__file__).resolve()), "--worker", tmp]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=1800)
+        cmd[at:at + 1] = ["bench.throughput.stage_breakdown", "--worker", tmp]
+        proc = start_torchrun(cmd, cwd=ROOT, env=env).wait(1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed:\n{proc.stdout[-3000:]}")
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]

@@ -53,6 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench.results import emit
+from megatron_async.testing.launch import BENCH_WARM_ENV
 
 # (name, schedule, microbatches per batch)
 CONFIGS = [
@@ -277,6 +278,10 @@ def launch(name: str, world: int, fn, args: tuple, timeout_s: float) -> list:
     gives no result within timeout_s; every process is gone when this returns.
     """
     ctx = mp.get_context("spawn")
+    if os.environ.get(BENCH_WARM_ENV) == "1":  # the smoke test: forked with torch imported (testing/launch.py)
+        from megatron_async.testing.multiprocess import _context
+
+        ctx = _context()
     results = ctx.Queue()
     got: dict[int, object] = {}
     with tempfile.TemporaryDirectory() as tmp, _env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"):

@@ -36,6 +36,53 @@ def _torchrun(entry: list, nproc: int, timeout_s: float, cwd) -> subprocess.Comp
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
+BENCH_WARM_ENV = "MEGATRON_ASYNC_BENCH_WARM"
+
+
+class _TorchrunJob:
+    def __init__(self, cmd, cwd, env, log_path):
+        self.cmd, self.log_path = cmd, log_path
+        out = open(log_path, "w") if log_path else subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                                     start_new_session=True)
+        if log_path:
+            out.close()
+
+    def wait(self, timeout_s: float) -> subprocess.CompletedProcess:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.communicate()
+            raise
+        if self.log_path:
+            from pathlib import Path
+
+            out = Path(self.log_path).read_text(errors="replace")
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, None)
+
+
+def start_torchrun(cmd: Sequence[str], cwd=None, env: dict | None = None, log_path=None):
+    """Start a benchmark's `torchrun ... -m MODULE ARGS` (or `python -m torch.distributed.run
+    ...`) command line; `.wait(timeout_s)` gives its exit code and output (also written to
+    `log_path` when given).
+
+    With $MEGATRON_ASYNC_BENCH_WARM=1, what the benchmarks' smoke tests set, the same
+    MODULE and ARGS run on warm ranks instead (testing/warm_launch.py): the smoke tests
+    check that a benchmark runs and reports, which torchrun's imports (some 20 s of CPU a
+    launch) add nothing to. Benchmarks themselves, timed, keep torchrun."""
+    cmd = [str(c) for c in cmd]
+    if os.environ.get(BENCH_WARM_ENV) != "1":
+        return _TorchrunJob(cmd, cwd, env, log_path)
+    from megatron_async.testing.warm_launch import WarmJob
+
+    at = cmd.index("-m", cmd.index("torch.distributed.run") + 1 if "torch.distributed.run" in cmd else 1)
+    launcher = cmd[:at]
+    nproc = next(int(a.split("=", 1)[1]) if "=" in a else int(launcher[i + 1])
+                 for i, a in enumerate(launcher) if a.startswith("--nproc-per-node"))
+    return WarmJob(cmd[at + 1], cmd[at + 2:], nproc, env=env, cwd=cwd, log_path=log_path, mock_data_cache=False)
+
+
 def finish_job(proc: subprocess.Popen, log, timeout_s: float = 300) -> tuple[int, str]:
     """Wait for a job started in its own session (`start_new_session=True`); past
     `timeout_s` kill its whole process group. Returns (exit code, the log file's text)."""

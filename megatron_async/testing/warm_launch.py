@@ -64,6 +64,7 @@ def _rank_main(module: str, argv: list[str], env: dict, log_path: str, cwd: str 
     os.environ.update(env)
     if cwd:
         os.chdir(cwd)
+    sys.path.insert(0, os.getcwd())  # as `python -m` puts its working directory first
     import torch
 
     torch.set_num_threads(1)  # the forkserver's OpenMP read its thread count before this rank's env
@@ -102,14 +103,15 @@ class WarmJob:
     own process group, so its children go with it), and `wait` for its end."""
 
     def __init__(self, module: str, argv: Sequence[str], nproc: int, env: Mapping[str, str] | None = None,
-                 cwd=None, log_path=None):
+                 cwd=None, log_path=None, mock_data_cache: bool = True):
         ctx = _context()
         port = free_port()
-        base = dict(os.environ, **(env or {}), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                    TORCHELASTIC_RUN_ID=f"warm-{port}", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+        base = {**os.environ, **(env or {}), **dict(
+            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RUN_ID=f"warm-{port}",
+            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")}
         self.module, self.nproc = module, nproc
-        self.argv = with_mock_data_cache(argv)
+        self.argv = with_mock_data_cache(argv) if mock_data_cache else [str(a) for a in argv]
         self._temporary = log_path is None
         if self._temporary:
             fd, log_path = tempfile.mkstemp(prefix="warm_launch_", suffix=".log")
