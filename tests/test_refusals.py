@@ -264,24 +264,40 @@ def test_flags_megatron_refuses_on_cpu_are_refused_by_2bw_too(flag):
 
 
 _RESOLVED = """
-import sys
+import json, sys
 from megatron_async.check_flags import parse, prepare
+world, cases = int(sys.argv[1]), json.loads(sys.argv[2])  # parse() sets sys.argv
 prepare()
-args = parse(sys.argv[2:], int(sys.argv[1]))
-print("rerun_mode=" + repr(args.rerun_mode), type(args.rerun_mode).__name__)
+for argv in cases:
+    print("=== case", flush=True)
+    args = parse(argv, world)
+    print("rerun_mode=" + repr(args.rerun_mode), type(args.rerun_mode).__name__, flush=True)
 """
+RERUN_CASES = [("2bw", None, "disabled"), ("2bw", "disabled", "disabled"), ("1f1b", None, "validate_results"),
+               ("1f1b", "report_stats", "report_stats")]
 
 
-@pytest.mark.parametrize("schedule, given, expected", [
-    ("2bw", None, "disabled"), ("2bw", "disabled", "disabled"), ("1f1b", None, "validate_results"),
-    ("1f1b", "report_stats", "report_stats")])
-def test_2bw_sets_rerun_mode_only_where_megatrons_default_was_in_the_way(schedule, given, expected):
+@pytest.fixture(scope="module")
+def resolved_rerun_modes():
+    """Each case's output of Megatron's parse with the plugin, one process for all four
+    (importing Megatron costs seconds a process; parse() starts from the command line each time)."""
+    argvs = [BASE + PP2 + ["--pipeline-schedule", schedule] + (["--rerun-mode", given] if given else [])
+             for schedule, given, _ in RERUN_CASES]
+    out = subprocess.run([sys.executable, "-c", _RESOLVED, "2", json.dumps(argvs)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parts = out.stdout.split("=== case\n")[1:]
+    assert len(parts) == len(RERUN_CASES), out.stdout[-3000:]
+    return dict(zip(RERUN_CASES, parts))
+
+
+@pytest.mark.parametrize("schedule, given, expected", RERUN_CASES)
+def test_2bw_sets_rerun_mode_only_where_megatrons_default_was_in_the_way(schedule, given, expected,
+                                                                         resolved_rerun_modes):
     """Without --rerun-mode, 2bw runs with it disabled and says so in one line; Megatron's own
     schedule keeps Megatron's default (validate_results), and a value typed is kept (a typed
     value 2bw cannot honour is refused: CASES "rerun state machine, set explicitly")."""
-    argv = BASE + PP2 + ["--pipeline-schedule", schedule] + (["--rerun-mode", given] if given else [])
-    out = subprocess.run([sys.executable, "-c", _RESOLVED, "2", *argv], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"rerun_mode={expected!r} str" in out.stdout, out.stdout[-2000:]
+    out = resolved_rerun_modes[(schedule, given, expected)]
+    assert f"rerun_mode={expected!r} str" in out, out[-2000:]
     notice = "megatron-async: --pipeline-schedule 2bw sets --rerun-mode disabled"
-    assert (notice in out.stdout) == (schedule == "2bw" and given is None), out.stdout[-2000:]
+    assert (notice in out) == (schedule == "2bw" and given is None), out[-2000:]

@@ -6,7 +6,8 @@ CASES.json maps a case name to {"world": N, "argv": [...]}. Each command line go
 through megatron_async.check_flags (Megatron's argument parser and `validate_args`
 with the plugin installed, the launcher's CPU flags added, under WORLD_SIZE=N). OUT.json
 maps each name to {"refused": bool, "error": message or None}. One process for all
-cases, since importing Megatron costs seconds a process.
+cases, since importing Megatron costs seconds a process, and Megatron's parser reads
+its config classes' docstrings once (testing/warm_imports.py), not once per case.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import sys
 
 
 def main(cases_path: str, out_path: str) -> None:
+    import importlib
+
     from megatron_async.check_flags import check, prepare
+
+    importlib.import_module("megatron_async.testing.warm_imports")  # each parse reuses the config docstrings
 
     prepare()
     with open(cases_path, encoding="utf-8") as f:
