@@ -71,12 +71,12 @@ def summarise(stats_dir: Path, iters: int, settle: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=5000)
-    p.add_argument("--quick", action="store_true", help="100 iterations, no target check")
+    p.add_argument("--iters", type=int, default=None, help="default 5000; 100 with --quick")
+    p.add_argument("--quick", action="store_true", help="100 iterations (or --iters), windows scaled, no target check")
     p.add_argument("--out", default="out/soak")
     p.add_argument("--data", default="data/shakespeare", help="prepared corpus (megatron-async-prepare-data)")
     args = p.parse_args(argv)
-    iters = 100 if args.quick else args.iters
+    iters = args.iters or (100 if args.quick else 5000)
     settle = max(iters // 10, 1) if args.quick else 500
     interval = max(iters // 50, 1) if args.quick else 100
     root, data, _ = prepare_dirs(args.out, args.data, None)
@@ -88,6 +88,8 @@ def main(argv=None) -> int:
         "--eval-interval", str(settle), "--eval-iters", "2", "--save", root / "ckpt", "--save-interval",
         str(settle), "--rank-stats-dir", stats_dir, "--metrics-json", root / "metrics.jsonl",
     ]
+    if iters <= 100:  # a short --quick run warms its learning rate up over half of it (Megatron: warm-up < decay)
+        cmd += ["--lr-warmup-iters", str(min(50, iters // 2))]
     started = time.monotonic()
     # the real launcher, which is measured; warm ranks only for the smoke test (testing/launch.py)
     proc = torchrun_megatron(cmd, nproc=2, timeout_s=4 * 3600, warm=os.environ.get(BENCH_WARM_ENV) == "1")
