@@ -2,13 +2,9 @@
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -20,16 +16,19 @@ def warm_benchmark_ranks(monkeypatch):
     monkeypatch.setenv(BENCH_WARM_ENV, "1")
 
 
-def _sweep(out, data, *extra):
-    cmd = [sys.executable, "-m", "bench.delay.delay_sweep", "--quick", "--out", str(out), "--data", str(data), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+def _sweep(capsys, out, data, *extra):
+    """The sweep's main in this process, so its jobs fork from this worker's warm ranks;
+    what it printed."""
+    from bench.delay import delay_sweep
+
+    capsys.readouterr()
+    assert delay_sweep.main(["--quick", "--out", str(out), "--data", str(data), *extra]) == 0
+    return capsys.readouterr().out
 
 
-def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
+def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path, capsys):
     out = tmp_path / "sweep"
-    first = _sweep(out, small_corpus, "--muon-nesterov-sync", "--optimizers", "muon")  # adam: test_a_run_cut_short
+    first = _sweep(capsys, out, small_corpus, "--muon-nesterov-sync", "--optimizers", "muon")  # adam: test_a_run_cut_short
     summary = json.loads((out / "summary.json").read_text())
     # the look-ahead's sync baseline: Muon with Megatron's Nesterov momentum
     nesterov_run = json.loads((out / "runs" / "muon_lr0.002_sync_s0_nesterov" / "result.json").read_text())
@@ -53,7 +52,7 @@ def test_quick_sweep_summarises_and_resumes(small_corpus, tmp_path):
     # a second invocation finds every run done and only rebuilds the summary; with
     # --archive the results are also kept outside the run directories
     archive = tmp_path / "archive"
-    second = _sweep(out, small_corpus, "--archive", str(archive), "--muon-nesterov-sync", "--optimizers", "muon")
+    second = _sweep(capsys, out, small_corpus, "--archive", str(archive), "--muon-nesterov-sync", "--optimizers", "muon")
     assert second.count("skipped (done before)") == 3, second
     # the length report reads the summary
     from bench.delay import delay_length
@@ -242,13 +241,13 @@ def test_presets_and_their_sizes():
     assert "--num-experts" not in dense.flags() and "--muon-fp32-matmul-prec" not in dense.flags()
 
 
-def test_quick_moe_sweep_keeps_routing_and_megatrons_parameter_count(small_corpus, tmp_path):
+def test_quick_moe_sweep_keeps_routing_and_megatrons_parameter_count(small_corpus, tmp_path, capsys):
     import sentencepiece
 
     from bench.delay.sweep_runner import PRESETS, Model
 
     out = tmp_path / "moe"
-    _sweep(out, small_corpus, "--model", "moe", "--muon-matmul-prec", "high", "--optimizers", "muon")
+    _sweep(capsys, out, small_corpus, "--model", "moe", "--muon-matmul-prec", "high", "--optimizers", "muon")
     run = json.loads((out / "runs" / "muon_lr0.002_async_s0" / "result.json").read_text())
     assert "--muon-fp32-matmul-prec high" in run["command"]
     routing = run["routing"]
