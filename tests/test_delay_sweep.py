@@ -6,7 +6,6 @@ import math
 import pytest
 
 
-
 @pytest.fixture(autouse=True)
 def warm_benchmark_ranks(monkeypatch):
     """The sweep's jobs on warm ranks (megatron_async/testing/launch.py's start_torchrun):
