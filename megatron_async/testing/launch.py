@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -25,21 +26,15 @@ def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, c
 def _torchrun(entry: list, nproc: int, timeout_s: float, cwd) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=cwd, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        raise TimeoutError(f"torchrun did not finish within {timeout_s:.0f} s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    return _TorchrunJob(cmd, cwd, env, None).wait(timeout_s)
 
 
 BENCH_WARM_ENV = "MEGATRON_ASYNC_BENCH_WARM"
 
 
 class _TorchrunJob:
+    """A torchrun command in its own session; past its timeout the whole session is killed."""
+
     def __init__(self, cmd, cwd, env, log_path):
         self.cmd, self.log_path = cmd, log_path
         out = open(log_path, "w") if log_path else subprocess.PIPE
@@ -53,12 +48,10 @@ class _TorchrunJob:
             out, _ = self.proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 9)
-            self.proc.communicate()
-            raise
-        if self.log_path:
-            from pathlib import Path
-
-            out = Path(self.log_path).read_text(errors="replace")
+            out, _ = self.proc.communicate()
+            out = Path(self.log_path).read_text(errors="replace") if self.log_path else out
+            raise TimeoutError(f"torchrun did not finish within {timeout_s:.0f} s:\n{(out or '')[-5000:]}") from None
+        out = Path(self.log_path).read_text(errors="replace") if self.log_path else out
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, None)
 
 
@@ -86,8 +79,6 @@ def start_torchrun(cmd: Sequence[str], cwd=None, env: dict | None = None, log_pa
 def finish_job(proc: subprocess.Popen, log, timeout_s: float = 300) -> tuple[int, str]:
     """Wait for a job started in its own session (`start_new_session=True`); past
     `timeout_s` kill its whole process group. Returns (exit code, the log file's text)."""
-    from pathlib import Path
-
     try:
         proc.wait(timeout=timeout_s)
     finally:
