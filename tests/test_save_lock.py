@@ -28,9 +28,9 @@ from megatron_async.testing.warm_launch import WarmJob
 def _job(tmp_path, name, save, iters, extra=()):
     args = [a for a in MEGATRON_LOOP]
     args[args.index("--train-iters") + 1] = str(iters)
-    args += ["--save", str(save), "--save-interval", "2", "--metrics-json", str(tmp_path / f"{name}.jsonl"), *extra,
-             "--data-cache-path", str(tmp_path / f"{name}_data")]  # its own: jobs here run side by side
-    return WarmJob("megatron_async.launch", args, 2, log_path=tmp_path / f"{name}.log")
+    args += ["--save", str(save), "--save-interval", "2", "--metrics-json", str(tmp_path / f"{name}.jsonl"), *extra]
+    # no shared mock-data index: jobs here start side by side
+    return WarmJob("megatron_async.launch", args, 2, log_path=tmp_path / f"{name}.log", mock_data_cache=False)
 
 
 def _wait_for(predicate, job, what, timeout_s=180):
