@@ -20,7 +20,12 @@ STEPS = 3
 
 
 class _HostReads(TorchDispatchMode):
-    """The storage of every tensor read to the host (`.item()`, `float()`, `bool()`)."""
+    """The storage of every tensor read to the host (`.item()`, `float()`, `bool()`).
+
+    Storages are matched by address, so each read storage is held until the step's
+    losses are compared: a freed one could otherwise hand its address to a loss made
+    later in the step, and a read of an unrelated scalar would count as a loss read.
+    """
 
     def __init__(self):
         super().__init__()
@@ -28,7 +33,7 @@ class _HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket is torch.ops.aten._local_scalar_dense:
-            self.storages.append(args[0].untyped_storage().data_ptr())
+            self.storages.append(args[0].untyped_storage())
         return func(*args, **(kwargs or {}))
 
 
@@ -50,7 +55,7 @@ def _reads_entry(rank, world_size, former):
         with _HostReads() as mode:
             reports, result = (former_train_step if former else real)(self, step)
         losses = {v.untyped_storage().data_ptr() for r in reports for v in r.values() if isinstance(v, torch.Tensor)}
-        reads.append((len(losses), sum(ptr in losses for ptr in mode.storages)))
+        reads.append((len(losses), sum(storage.data_ptr() in losses for storage in mode.storages)))
         return reports, result
 
     two_bw.TwoBWRunner.train_step = recorded
