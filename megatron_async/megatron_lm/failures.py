@@ -46,7 +46,14 @@ def report(line: str) -> None:
 
 def other_failure(err: BaseException) -> None:
     """Any other exception: a lost peer waits (the rank with the cause is named first);
-    anything else is recorded as this rank's failure."""
+    anything else is recorded as this rank's failure. Once per exception: the launcher
+    handles it and re-raises it, and the excepthook then sees the same one."""
+    if getattr(err, "_megatron_async_reported", False):
+        return
+    try:
+        err._megatron_async_reported = True
+    except AttributeError:  # an exception type without a __dict__
+        pass
     rank = os.environ.get("RANK", "0")
     if any(text in str(err) for text in _PEER_LOSS):
         print(f"megatron-async: rank {rank}: lost a peer rank ({type(err).__name__}); torchrun names the rank "
