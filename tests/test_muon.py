@@ -351,7 +351,14 @@ def test_other_emerging_optimizers_train():
     from megatron_async.megatron_lm.optimizer_probe import failure
 
     assert failure("adaptive_muon") is not None
-    for name in ("lion", "soap"):
-        assert failure(name) is None
-        (r,) = run_distributed(train_entry, 1, TinyGPT(optimizer=name, init_by_name=True), 4)
-        assert r["losses"][-1] < r["losses"][0], (name, r["losses"])
+    names = ("lion", "soap")
+    assert all(failure(name) is None for name in names)
+    (runs,) = run_distributed(_one_run_each, 1, names, 4)  # one process: torch.compile's set-up once
+    for name in names:
+        assert runs[name]["losses"][-1] < runs[name]["losses"][0], (name, runs[name]["losses"])
+
+
+def _one_run_each(rank, world_size, names, iterations):
+    from megatron_async.testing.tiny_gpt import train
+
+    return {name: train(TinyGPT(optimizer=name, init_by_name=True), iterations, rank, world_size) for name in names}
