@@ -8,14 +8,13 @@ changed --train-iters on resume are each reported in one line naming what to do.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from test_megatron_loop import RESUME, _run
 from test_refusals import BASE
 
 from megatron_async.megatron_lm.checkpoint_guard import resume_problem, unwritable_save
+from megatron_async.testing.warm_launch import warm_python
 
 
 def _checkpoints(root, iterations, tracker=None, incomplete=()):
@@ -86,9 +85,8 @@ def test_refused_through_megatrons_validation(tmp_path):
         "first job": (BASE + ["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new"), *every], None),
     }
     (tmp_path / "cases.json").write_text(json.dumps({k: {"world": 1, "argv": a} for k, (a, _) in cases.items()}))
-    proc = subprocess.run([sys.executable, "-m", "megatron_async.testing.refusals", str(tmp_path / "cases.json"),
-                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = warm_python("megatron_async.testing.refusals", [tmp_path / "cases.json", tmp_path / "out.json"], 300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     found = json.loads((tmp_path / "out.json").read_text())
     for name, (_, needle) in cases.items():
         if needle is None:

@@ -13,11 +13,11 @@ tests/test_data_checks.py.
 import json
 import os
 import shutil
-import subprocess
 import tempfile
-import sys
 
 import pytest
+
+from megatron_async.testing.warm_launch import warm_python
 
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -198,9 +198,8 @@ def results(small_corpus, tmp_path_factory):
     cases.update({name: {"world": w, "argv": argv} for name, (w, argv, _) in _data_cases(small_corpus, tmp_path).items()})
     cases.update({name: {"world": w, "argv": argv} for name, (w, argv) in ACCEPTED.items()})
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run([sys.executable, "-m", "megatron_async.testing.refusals", str(tmp_path / "cases.json"),
-                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = warm_python("megatron_async.testing.refusals", [tmp_path / "cases.json", tmp_path / "out.json"], 300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads((tmp_path / "out.json").read_text()), _data_cases(small_corpus, tmp_path)
 
 
@@ -263,16 +262,6 @@ def test_flags_megatron_refuses_on_cpu_are_refused_by_2bw_too(flag):
     assert error is not None and flag in error, error
 
 
-_RESOLVED = """
-import json, sys
-from megatron_async.check_flags import parse, prepare
-world, cases = int(sys.argv[1]), json.loads(sys.argv[2])  # parse() sets sys.argv
-prepare()
-for argv in cases:
-    print("=== case", flush=True)
-    args = parse(argv, world)
-    print("rerun_mode=" + repr(args.rerun_mode), type(args.rerun_mode).__name__, flush=True)
-"""
 RERUN_CASES = [("2bw", None, "disabled"), ("2bw", "disabled", "disabled"), ("1f1b", None, "validate_results"),
                ("1f1b", "report_stats", "report_stats")]
 
@@ -283,9 +272,8 @@ def resolved_rerun_modes():
     (importing Megatron costs seconds a process; parse() starts from the command line each time)."""
     argvs = [BASE + PP2 + ["--pipeline-schedule", schedule] + (["--rerun-mode", given] if given else [])
              for schedule, given, _ in RERUN_CASES]
-    out = subprocess.run([sys.executable, "-c", _RESOLVED, "2", json.dumps(argvs)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = warm_python("megatron_async.testing.parse_each", ["2", "rerun_mode", json.dumps(argvs)], 300)
+    assert out.returncode == 0, out.stdout[-3000:]
     parts = out.stdout.split("=== case\n")[1:]
     assert len(parts) == len(RERUN_CASES), out.stdout[-3000:]
     return dict(zip(RERUN_CASES, parts))

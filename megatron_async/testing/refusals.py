@@ -6,7 +6,8 @@ CASES.json maps a case name to {"world": N, "argv": [...]}. Each command line go
 through megatron_async.check_flags (Megatron's argument parser and `validate_args`
 with the plugin installed, the launcher's CPU flags added, under WORLD_SIZE=N). OUT.json
 maps each name to {"refused": bool, "error": message or None}. One process for all
-cases, since importing Megatron costs seconds a process, and Megatron's parser reads
+cases, since importing Megatron costs seconds a process (the tests run it forked from
+their warm forkserver: testing/warm_launch.warm_python), and Megatron's parser reads
 its config classes' docstrings once (testing/warm_imports.py), not once per case.
 """
 

@@ -103,13 +103,14 @@ class WarmJob:
     own process group, so its children go with it), and `wait` for its end."""
 
     def __init__(self, module: str, argv: Sequence[str], nproc: int, env: Mapping[str, str] | None = None,
-                 cwd=None, log_path=None, mock_data_cache: bool = True):
+                 cwd=None, log_path=None, mock_data_cache: bool = True, launcher_env: bool = True):
         ctx = _context()
         port = free_port()
-        base = {**os.environ, **(env or {}), **dict(
-            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RUN_ID=f"warm-{port}",
-            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")}
+        base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if launcher_env:  # torchrun's; without it, a plain `python -m` process (warm_python)
+            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RUN_ID=f"warm-{port}",
+                        TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
         self.module, self.nproc = module, nproc
         self.argv = with_mock_data_cache(argv) if mock_data_cache else [str(a) for a in argv]
         self._temporary = log_path is None
@@ -119,7 +120,8 @@ class WarmJob:
         self.log = Path(log_path)
         self.log.write_text("")
         self.procs = [ctx.Process(target=_rank_main, name=f"rank{rank}",  # not daemonic: checkpointing forks
-                                  args=(module, self.argv, dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                  args=(module, self.argv,
+                                        dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) if launcher_env else base,
                                         str(self.log), str(cwd) if cwd else None))
                       for rank in range(nproc)]
         for proc in self.procs:
@@ -179,3 +181,11 @@ def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env
              cwd=None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node NPROC -m MODULE ARGV` with warm ranks."""
     return WarmJob(module, argv, nproc, env=env, cwd=cwd).wait(timeout_s)
+
+
+def warm_python(module: str, argv: Sequence[str], timeout_s: float,
+                env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV` as one warm process, without torchrun's environment: for
+    the one-process checks of many command lines (testing/refusals.py), which would
+    otherwise spend most of their time importing Megatron."""
+    return WarmJob(module, argv, 1, env=env, mock_data_cache=False, launcher_env=False).wait(timeout_s)
