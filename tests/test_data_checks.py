@@ -1,11 +1,8 @@
 """Megatron's loop, with the plugin, refuses datasets that do not belong to its tokenizer, or hold less than one global batch."""
 
 import json
-import os
 import shutil
 import socket
-import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +14,7 @@ from megatron_async.data.checks import (
     max_token_id,
 )
 from megatron_async.data.errors import DataError
+from megatron_async.testing.warm_launch import warm_python
 
 @pytest.fixture(scope="module")
 def vocab300(tmp_path_factory, text_files):
@@ -92,15 +90,14 @@ def test_megatrons_loop_refuses_mismatched_tokenizer_before_any_process_group(sm
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    env = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", "2", "--seq-length", "32", "--max-position-embeddings", "32",
             "--eval-interval", "10", "--lr", "1e-3", "--tokenizer-type", "SentencePieceTokenizer"]
     args += _data(small_corpus, tokenizer_folder=vocab300)
-    proc = subprocess.run([sys.executable, "-m", "megatron_async.launch", "--gpt", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("megatron-async: error:")]
-    assert len(lines) == 1 and "--train-data-path" in lines[0], proc.stderr[-3000:]
+    proc = warm_python("megatron_async.launch", ["--gpt", *args], 120, env=env)  # one process, Megatron imported
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("megatron-async: error:")]
+    assert len(lines) == 1 and "--train-data-path" in lines[0], proc.stdout[-3000:]
     assert str(small_corpus / "train_text_document") in lines[0] and str(vocab300 / "tokenizer.model") in lines[0]
