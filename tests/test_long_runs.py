@@ -18,6 +18,7 @@ import pytest
 
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
+from megatron_async.testing.warm_launch import with_mock_data_cache
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -120,7 +121,9 @@ def test_no_process_outlives_a_killed_job(tmp_path, victim, entry):
     process the job started (workers, the checkpoint writer's Manager, resource
     trackers, data-loader workers) is gone within 10 s."""
     progress = tmp_path / "progress.jsonl"
-    args = MEGATRON_LOOP + ["--metrics-json", progress, "--save", tmp_path / "ckpt", "--save-interval", "2"]
+    # the six jobs of a pytest worker share one mock-data index (built by the first, 1.5 s a job)
+    args = with_mock_data_cache(MEGATRON_LOOP + ["--metrics-json", progress, "--save", tmp_path / "ckpt",
+                                                 "--save-interval", "2"])
     if entry != "module":
         args = args[1:]  # the console script is `launch --gpt`; the script is a GPT script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
