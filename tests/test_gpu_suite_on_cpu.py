@@ -47,7 +47,7 @@ def test_a_run_past_its_timeout_names_the_rank_that_exited():
     from megatron_async.testing.gpu.launch import run_with_timeout
 
     with pytest.raises(TimeoutError) as err:
-        run_with_timeout([sys.executable, "-c", _HANGING_LAUNCHER], 8, nproc=3)
+        run_with_timeout([sys.executable, "-c", _HANGING_LAUNCHER], 4, nproc=3)  # rank 1: a bare interpreter
     message = str(err.value)
     assert "ranks still running at the timeout: [0, 2]; exited before it: [1]" in message, message
     lingering = []
