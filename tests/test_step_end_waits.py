@@ -40,13 +40,15 @@ WAITS = {
     "train sync": ["--train-sync-interval", "1", "--eval-interval", "2"],
 }
 SEND_WAIT_S = 5  # an emulated whole-device wait fails after this (steps here take ~50 ms)
+HANG_WAIT_S = 2  # the same in the negative controls, where the wait is a hang: 40 steps' time
 TIMEOUT_S = 240
 
 
 def _run(tmp_path, name, extra, old=False):
     report = tmp_path / f"{name}-exit"
     metrics = tmp_path / f"{name}.jsonl"
-    env = {"MEGATRON_ASYNC_CPU_SEND_WAIT_S": str(SEND_WAIT_S), "MEGATRON_ASYNC_TEST_QUICK_SNIFF": "1",
+    env = {"MEGATRON_ASYNC_CPU_SEND_WAIT_S": str(HANG_WAIT_S if old else SEND_WAIT_S),
+           "MEGATRON_ASYNC_TEST_QUICK_SNIFF": "1",
            "MEGATRON_ASYNC_TEST_OLD_RUNTIME": "1" if old else "0", "MEGATRON_ASYNC_EXIT_REPORT": str(report)}
     proc = warm_run(ENTRY, ["--gpt", *CPU, *MODEL, *TRAIN, *TWO_BW, "--metrics-json", str(metrics), *extra], 2,
                     TIMEOUT_S, env=env)
@@ -71,7 +73,7 @@ def test_the_runtime_without_its_step_end_receive_hangs_there(tmp_path, name):
     proc, _metrics, _reports = _run(tmp_path, name, WAITS[name], old=True)
     assert proc.returncode != 0, proc.stdout[-3000:]
     wait = "empty_cache" if name == "empty cache" else "synchronize"
-    assert f"torch.cuda.{wait} waited {SEND_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
+    assert f"torch.cuda.{wait} waited {HANG_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
 
 
 EXITS = {
@@ -98,7 +100,7 @@ def test_the_old_runtime_hangs_at_exit_interval(tmp_path):
     device (its timers): the emulation fails there, where NCCL would hang."""
     proc, _metrics, _reports = _run(tmp_path, "exit", EXITS["--exit-interval"], old=True)
     assert proc.returncode != 0, proc.stdout[-3000:]
-    assert f"waited {SEND_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
+    assert f"waited {HANG_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_the_old_exception_path_leaves_sends_outstanding(tmp_path):
