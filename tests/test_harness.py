@@ -71,6 +71,23 @@ def test_warm_launch_times_out_naming_the_ranks_still_running():
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
 
 
+def test_a_warm_jobs_rendezvous_port_is_held_by_its_launcher_from_the_start():
+    """As torchrun's agent: the launcher hosts the job's store, so no other job can take
+    its port before rank 0 would have bound it (two jobs of two pytest workers once met
+    on one port; one failed with EADDRINUSE, the other hung). Here the ranks sleep
+    without a process group: before, the port was free until rank 0 bound it."""
+    import socket
+
+    from megatron_async.testing.warm_launch import WarmJob
+
+    job = WarmJob("megatron_async.testing.rank_exit", ["7", "0"], 2)
+    try:
+        with socket.socket() as sock, pytest.raises(OSError, match="in use"):
+            sock.bind(("", job.port))
+    finally:
+        job.kill()
+
+
 def test_rendezvous_ports_are_below_the_ephemeral_range():
     """The store's port is one no connection can be handed meanwhile (the EADDRINUSE of
     two pytest workers): below the kernel's ephemeral range, free, and not the same

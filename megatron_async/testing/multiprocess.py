@@ -80,6 +80,21 @@ def free_port(attempts: int = 100) -> int:
     raise RuntimeError(f"no free port below the ephemeral range after {attempts} tries")
 
 
+def host_store(world_size: int):
+    """A job's rendezvous store, hosted by the process that launches its ranks, as
+    torchrun's agent hosts it: bound at once to a port the kernel picks and held from
+    before any rank starts until the job ends. A port that is picked free, let go and
+    bound again by rank 0 can meanwhile be picked by another job: two jobs of two pytest
+    workers met on one port, one failing with EADDRINUSE and the other hanging. The
+    ranks connect as clients (AGENT_STORE_ENV)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
+# torch's env:// rendezvous then makes every rank a client of the launcher's store (torchrun sets the same)
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
 _CTX = None
 
 
@@ -109,6 +124,7 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, queue, timeout_s):
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
+        **AGENT_STORE_ENV,
     )
     try:
         torch.set_num_threads(1)
@@ -146,7 +162,8 @@ def run_distributed(
     """
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    store = host_store(world_size)
+    port = store.port
     procs = [
         ctx.Process(
             target=_rank_main,
@@ -192,3 +209,4 @@ def run_distributed(
         for proc in procs:
             proc.join(timeout=10)
         queue.close()
+        del store  # the store's server stops with the job

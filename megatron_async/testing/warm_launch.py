@@ -6,7 +6,8 @@ a step; a suite that launches a couple of hundred ranks spends most of its time
 there. Here each rank is forked from the forkserver of
 `megatron_async.testing.multiprocess`, which has those imports done, and then runs
 the entry module as `python -m MODULE ARGS` would, with torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID). Every rank is
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID) and, as under
+torchrun, the rendezvous store hosted by the launcher (multiprocess.host_store). Every rank is
 still its own process with its own gloo rank; the entry (`megatron_async.launch`)
 still installs the hooks and the CPU emulation itself.
 
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_async.testing.multiprocess import _context, free_port
+from megatron_async.testing.multiprocess import AGENT_STORE_ENV, _context, host_store
 
 STOP_GRACE_S = 5.0
 MOCK_DATA_CACHE_ENV = "MEGATRON_ASYNC_MOCK_DATA_CACHE"
@@ -105,10 +106,12 @@ class WarmJob:
     def __init__(self, module: str, argv: Sequence[str], nproc: int, env: Mapping[str, str] | None = None,
                  cwd=None, log_path=None, mock_data_cache: bool = True, launcher_env: bool = True):
         ctx = _context()
-        port = free_port()
         base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self._store, self.port = None, None
         if launcher_env:  # torchrun's; without it, a plain `python -m` process (warm_python)
-            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+            self._store = host_store(nproc)  # as torchrun's agent: held by the launcher for the job
+            port = self.port = self._store.port
+            base.update(AGENT_STORE_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                         LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RUN_ID=f"warm-{port}",
                         TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
         self.module, self.nproc = module, nproc
@@ -147,6 +150,7 @@ class WarmJob:
                 pass
         for proc in self.procs:
             proc.join(timeout=10)
+        self._store = None  # its server stops with the job
 
     def wait(self, timeout_s: float) -> subprocess.CompletedProcess:
         """The job's end: its exit code (torchrun's rule) and its output, which ends with
@@ -164,6 +168,7 @@ class WarmJob:
         finally:
             stopped = [r for r, p in enumerate(procs) if p.is_alive()]
             _stop(procs)
+            self._store = None  # its server stops with the job
             out = self.log.read_text(errors="replace")
             if self._temporary:
                 self.log.unlink(missing_ok=True)
