@@ -55,3 +55,24 @@ def test_a_rank_error_is_written_to_torchruns_error_file_once(sleeps, excepthook
     assert len(sleeps) == 1 and 0 < sleeps[0] <= 1.05
     assert error_file.read_text() == first
     assert json.loads(first)["message"]["message"] == "rank 1: ValueError: a shape that does not fit"
+
+
+def test_a_report_is_one_write_of_the_whole_line(monkeypatch, sleeps):
+    """Ranks share an output (torchrun's console, a job log): a line written with its
+    newline in one write stays whole. With print's two writes, two ranks' refusals ran
+    together on one line of a job log (seen in tests/test_save_lock.py)."""
+    writes = []
+
+    class Stderr:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    failures.report("megatron-async: error: --save x is being written by another live job (rank 1)")
+    failures.other_failure(RuntimeError(PEER_LOSS))
+    assert writes[0] == "megatron-async: error: --save x is being written by another live job (rank 1)\n"
+    assert len(writes) == 2 and writes[1].startswith("megatron-async: rank") and writes[1].endswith("first\n")

@@ -40,8 +40,16 @@ def our_line(err: BaseException) -> Optional[tuple[str, int]]:
 
 def report(line: str) -> None:
     """Our one line, last on this rank's stderr and in torchrun's failure summary."""
-    print(line, file=sys.stderr, flush=True)
+    _write_line(line)
     record_error(line)
+
+
+def _write_line(line: str) -> None:
+    """One write for the line and its newline: ranks that share an output (torchrun's
+    console, a job log) each append whole lines; print's two writes let two ranks'
+    refusals run together on one line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def other_failure(err: BaseException) -> None:
@@ -56,8 +64,8 @@ def other_failure(err: BaseException) -> None:
         pass
     rank = os.environ.get("RANK", "0")
     if any(text in str(err) for text in _PEER_LOSS):
-        print(f"megatron-async: rank {rank}: lost a peer rank ({type(err).__name__}); torchrun names the rank "
-              "that failed first", file=sys.stderr, flush=True)
+        _write_line(f"megatron-async: rank {rank}: lost a peer rank ({type(err).__name__}); torchrun names the "
+                    "rank that failed first")
         time.sleep(PEER_LOSS_GRACE_S)
     else:
         record_error(f"rank {rank}: {type(err).__name__}: {err}")
