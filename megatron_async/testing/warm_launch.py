@@ -146,8 +146,8 @@ class WarmJob:
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            except (ProcessLookupError, PermissionError):  # a rank not yet leading its group
+                proc.kill()
         for proc in self.procs:
             proc.join(timeout=10)
         self._store = None  # its server stops with the job
