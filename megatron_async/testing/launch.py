@@ -74,15 +74,3 @@ def start_torchrun(cmd: Sequence[str], cwd=None, env: dict | None = None, log_pa
     nproc = next(int(a.split("=", 1)[1]) if "=" in a else int(launcher[i + 1])
                  for i, a in enumerate(launcher) if a.startswith("--nproc-per-node"))
     return WarmJob(cmd[at + 1], cmd[at + 2:], nproc, env=env, cwd=cwd, log_path=log_path, mock_data_cache=False)
-
-
-def finish_job(proc: subprocess.Popen, log, timeout_s: float = 300) -> tuple[int, str]:
-    """Wait for a job started in its own session (`start_new_session=True`); past
-    `timeout_s` kill its whole process group. Returns (exit code, the log file's text)."""
-    try:
-        proc.wait(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    return proc.returncode, Path(log).read_text()
