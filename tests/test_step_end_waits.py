@@ -40,14 +40,14 @@ WAITS = {
     "train sync": ["--train-sync-interval", "1", "--eval-interval", "2"],
 }
 SEND_WAIT_S = 5  # an emulated whole-device wait fails after this (steps here take ~50 ms)
-HANG_WAIT_S = 2  # the same in the negative controls, where the wait is a hang: 40 steps' time
+HANG_WAIT_S = 2  # the same in the negative controls where the wait is a hang: 40 steps' time
 TIMEOUT_S = 240
 
 
-def _run(tmp_path, name, extra, old=False):
+def _run(tmp_path, name, extra, old=False, send_wait_s=SEND_WAIT_S):
     report = tmp_path / f"{name}-exit"
     metrics = tmp_path / f"{name}.jsonl"
-    env = {"MEGATRON_ASYNC_CPU_SEND_WAIT_S": str(HANG_WAIT_S if old else SEND_WAIT_S),
+    env = {"MEGATRON_ASYNC_CPU_SEND_WAIT_S": str(send_wait_s),
            "MEGATRON_ASYNC_TEST_QUICK_SNIFF": "1",
            "MEGATRON_ASYNC_TEST_OLD_RUNTIME": "1" if old else "0", "MEGATRON_ASYNC_EXIT_REPORT": str(report)}
     proc = warm_run(ENTRY, ["--gpt", *CPU, *MODEL, *TRAIN, *TWO_BW, "--metrics-json", str(metrics), *extra], 2,
@@ -70,7 +70,7 @@ def test_every_step_end_wait_runs_under_2bw(tmp_path):
 @pytest.mark.parametrize("name", list(WAITS))
 def test_the_runtime_without_its_step_end_receive_hangs_there(tmp_path, name):
     """Negative control: the emulation catches the hang, naming the wait."""
-    proc, _metrics, _reports = _run(tmp_path, name, WAITS[name], old=True)
+    proc, _metrics, _reports = _run(tmp_path, name, WAITS[name], old=True, send_wait_s=HANG_WAIT_S)
     assert proc.returncode != 0, proc.stdout[-3000:]
     wait = "empty_cache" if name == "empty cache" else "synchronize"
     assert f"torch.cuda.{wait} waited {HANG_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
@@ -98,7 +98,7 @@ def test_the_old_runtime_hangs_at_exit_interval(tmp_path):
     """Negative control: at --exit-interval without --save the old runtime's last step
     leaves a send its receiver never posts for, and Megatron's exit path waits on the
     device (its timers): the emulation fails there, where NCCL would hang."""
-    proc, _metrics, _reports = _run(tmp_path, "exit", EXITS["--exit-interval"], old=True)
+    proc, _metrics, _reports = _run(tmp_path, "exit", EXITS["--exit-interval"], old=True, send_wait_s=HANG_WAIT_S)
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert f"waited {HANG_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
 
