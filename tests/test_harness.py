@@ -63,6 +63,20 @@ def test_warm_launch_stops_the_peers_of_a_failed_rank_and_names_it():
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
 
 
+def test_warm_launch_lets_the_peers_of_a_failed_rank_exit_on_their_own_when_asked():
+    """With peers_exit_s, a rank that stops a second after its peer exits with its own
+    code, as the exit-report tests need (tests/test_step_end_waits.py); without it (the
+    negative control) torchrun's rule stops it."""
+    from megatron_async.testing.warm_launch import warm_run
+
+    own = warm_run("megatron_async.testing.rank_exit", ["1", "3", "1", "4"], nproc=2, timeout_s=60, peers_exit_s=30)
+    assert "rank 0: exiting with 4 after 1 s" in own.stdout, own.stdout
+    assert "rank 0 of 2 failed (exit code 4)" in own.stdout and "stopped" not in own.stdout, own.stdout
+    stopped = warm_run("megatron_async.testing.rank_exit", ["1", "3", "30", "4"], nproc=2, timeout_s=60)
+    assert "rank 0 of 2 stopped (signal SIGTERM)" in stopped.stdout, stopped.stdout
+    assert "rank 0: exiting" not in stopped.stdout, stopped.stdout
+
+
 def test_warm_launch_times_out_naming_the_ranks_still_running():
     from megatron_async.testing.warm_launch import warm_run
 

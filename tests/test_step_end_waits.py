@@ -42,16 +42,20 @@ WAITS = {
 SEND_WAIT_S = 5  # an emulated whole-device wait fails after this (steps here take ~50 ms)
 HANG_WAIT_S = 2  # the same in the negative controls where the wait is a hang: 40 steps' time
 TIMEOUT_S = 240
+# Ranks that stop together (the exception case) leave milliseconds apart; torchrun's rule
+# would stop the later one before it wrote its exit report. The hang controls read no
+# report, and keep the rule: the peer of their failed rank would wait out the lost-peer grace.
+PEERS_EXIT_S = 30
 
 
-def _run(tmp_path, name, extra, old=False, send_wait_s=SEND_WAIT_S):
+def _run(tmp_path, name, extra, old=False, send_wait_s=SEND_WAIT_S, peers_exit_s=PEERS_EXIT_S):
     report = tmp_path / f"{name}-exit"
     metrics = tmp_path / f"{name}.jsonl"
     env = {"MEGATRON_ASYNC_CPU_SEND_WAIT_S": str(send_wait_s),
            "MEGATRON_ASYNC_TEST_QUICK_SNIFF": "1",
            "MEGATRON_ASYNC_TEST_OLD_RUNTIME": "1" if old else "0", "MEGATRON_ASYNC_EXIT_REPORT": str(report)}
     proc = warm_run(ENTRY, ["--gpt", *CPU, *MODEL, *TRAIN, *TWO_BW, "--metrics-json", str(metrics), *extra], 2,
-                    TIMEOUT_S, env=env)
+                    TIMEOUT_S, env=env, peers_exit_s=peers_exit_s)
     reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in report.glob("rank*.json")}
     return proc, metrics, reports
 
@@ -70,7 +74,7 @@ def test_every_step_end_wait_runs_under_2bw(tmp_path):
 @pytest.mark.parametrize("name", list(WAITS))
 def test_the_runtime_without_its_step_end_receive_hangs_there(tmp_path, name):
     """Negative control: the emulation catches the hang, naming the wait."""
-    proc, _metrics, _reports = _run(tmp_path, name, WAITS[name], old=True, send_wait_s=HANG_WAIT_S)
+    proc, _metrics, _reports = _run(tmp_path, name, WAITS[name], old=True, send_wait_s=HANG_WAIT_S, peers_exit_s=0)
     assert proc.returncode != 0, proc.stdout[-3000:]
     wait = "empty_cache" if name == "empty cache" else "synchronize"
     assert f"torch.cuda.{wait} waited {HANG_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
@@ -98,7 +102,8 @@ def test_the_old_runtime_hangs_at_exit_interval(tmp_path):
     """Negative control: at --exit-interval without --save the old runtime's last step
     leaves a send its receiver never posts for, and Megatron's exit path waits on the
     device (its timers): the emulation fails there, where NCCL would hang."""
-    proc, _metrics, _reports = _run(tmp_path, "exit", EXITS["--exit-interval"], old=True, send_wait_s=HANG_WAIT_S)
+    proc, _metrics, _reports = _run(tmp_path, "exit", EXITS["--exit-interval"], old=True, send_wait_s=HANG_WAIT_S,
+                                    peers_exit_s=0)
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert f"waited {HANG_WAIT_S} s for a point-to-point send" in proc.stdout, proc.stdout[-3000:]
 

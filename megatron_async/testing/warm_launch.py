@@ -104,8 +104,10 @@ class WarmJob:
     own process group, so its children go with it), and `wait` for its end."""
 
     def __init__(self, module: str, argv: Sequence[str], nproc: int, env: Mapping[str, str] | None = None,
-                 cwd=None, log_path=None, mock_data_cache: bool = True, launcher_env: bool = True):
+                 cwd=None, log_path=None, mock_data_cache: bool = True, launcher_env: bool = True,
+                 peers_exit_s: float = 0.0):
         ctx = _context()
+        self.peers_exit_s = peers_exit_s
         base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self._store, self.port = None, None
         if launcher_env:  # torchrun's; without it, a plain `python -m` process (warm_python)
@@ -155,7 +157,11 @@ class WarmJob:
     def wait(self, timeout_s: float) -> subprocess.CompletedProcess:
         """The job's end: its exit code (torchrun's rule) and its output, which ends with
         a line per rank that failed or was stopped. Past `timeout_s` every rank is
-        stopped and TimeoutError names the ranks still running."""
+        stopped and TimeoutError names the ranks still running. With `peers_exit_s`, the
+        other ranks of a failed one get that long to exit on their own before they are
+        stopped: for tests of what every rank does at its own exit, where ranks that stop
+        together leave within milliseconds of each other and torchrun's immediate SIGTERM
+        would decide by chance which of them got there."""
         procs = self.procs
         deadline = time.monotonic() + timeout_s
         try:
@@ -164,6 +170,9 @@ class WarmJob:
                     running = [r for r, p in enumerate(procs) if p.is_alive()]
                     raise TimeoutError(f"ranks {running} of {self.nproc} did not finish within {timeout_s:.0f} s:\n"
                                        + self.log.read_text(errors="replace")[-5000:])
+                time.sleep(0.05)
+            peers_deadline = min(deadline, time.monotonic() + self.peers_exit_s)
+            while any(p.is_alive() for p in procs) and time.monotonic() < peers_deadline:
                 time.sleep(0.05)
         finally:
             stopped = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -183,9 +192,9 @@ class WarmJob:
 
 
 def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
-             cwd=None) -> subprocess.CompletedProcess:
+             cwd=None, peers_exit_s: float = 0.0) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node NPROC -m MODULE ARGV` with warm ranks."""
-    return WarmJob(module, argv, nproc, env=env, cwd=cwd).wait(timeout_s)
+    return WarmJob(module, argv, nproc, env=env, cwd=cwd, peers_exit_s=peers_exit_s).wait(timeout_s)
 
 
 def warm_python(module: str, argv: Sequence[str], timeout_s: float,
