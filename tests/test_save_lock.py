@@ -29,8 +29,10 @@ def _job(tmp_path, name, save, iters, extra=()):
     args = [a for a in MEGATRON_LOOP]
     args[args.index("--train-iters") + 1] = str(iters)
     args += ["--save", str(save), "--save-interval", "2", "--metrics-json", str(tmp_path / f"{name}.jsonl"), *extra]
-    # no shared mock-data index: jobs here start side by side
-    return WarmJob("megatron_async.launch", args, 2, log_path=tmp_path / f"{name}.log", mock_data_cache=False)
+    # No shared mock-data index: jobs here start side by side. peers_exit_s: each rank of a
+    # refused job refuses on its own, and the test reads every rank's line.
+    return WarmJob("megatron_async.launch", args, 2, log_path=tmp_path / f"{name}.log", mock_data_cache=False,
+                   peers_exit_s=30)
 
 
 def _wait_for(predicate, job, what, timeout_s=180):
