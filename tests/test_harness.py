@@ -70,6 +70,7 @@ def test_warm_launch_lets_the_peers_of_a_failed_rank_exit_on_their_own_when_aske
     from megatron_async.testing.warm_launch import warm_run
 
     own = warm_run("megatron_async.testing.rank_exit", ["1", "3", "1", "4"], nproc=2, timeout_s=60, peers_exit_s=30)
+    assert own.returncode == 3, own.stdout  # the first rank to fail is the root cause, as in torchrun
     assert "rank 0: exiting with 4 after 1 s" in own.stdout, own.stdout
     assert "rank 0 of 2 failed (exit code 4)" in own.stdout and "stopped" not in own.stdout, own.stdout
     stopped = warm_run("megatron_async.testing.rank_exit", ["1", "3", "30", "4"], nproc=2, timeout_s=60)

@@ -108,6 +108,7 @@ class WarmJob:
                  peers_exit_s: float = 0.0):
         ctx = _context()
         self.peers_exit_s = peers_exit_s
+        self.exit_order: list[int] = []
         base = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self._store, self.port = None, None
         if launcher_env:  # torchrun's; without it, a plain `python -m` process (warm_python)
@@ -155,17 +156,19 @@ class WarmJob:
         self._store = None  # its server stops with the job
 
     def wait(self, timeout_s: float) -> subprocess.CompletedProcess:
-        """The job's end: its exit code (torchrun's rule) and its output, which ends with
-        a line per rank that failed or was stopped. Past `timeout_s` every rank is
-        stopped and TimeoutError names the ranks still running. With `peers_exit_s`, the
-        other ranks of a failed one get that long to exit on their own before they are
-        stopped: for tests of what every rank does at its own exit, where ranks that stop
-        together leave within milliseconds of each other and torchrun's immediate SIGTERM
-        would decide by chance which of them got there."""
+        """The job's end: its exit code and its output, which ends with a line per rank
+        that failed or was stopped. The exit code is that of the first rank seen to fail
+        (torchrun's root cause); `exit_order` lists the ranks in the order they were seen
+        to exit. Past `timeout_s` every rank is stopped and TimeoutError names the ranks
+        still running. With `peers_exit_s`, the other ranks of a failed one get that long
+        to exit on their own before they are stopped: for tests of what every rank does at
+        its own exit, where ranks that stop together leave within milliseconds of each
+        other and torchrun's immediate SIGTERM would decide by chance which got there."""
         procs = self.procs
         deadline = time.monotonic() + timeout_s
         try:
             while self.running():
+                self._note_exits()
                 if time.monotonic() > deadline:  # the finally below stops them
                     running = [r for r, p in enumerate(procs) if p.is_alive()]
                     raise TimeoutError(f"ranks {running} of {self.nproc} did not finish within {timeout_s:.0f} s:\n"
@@ -173,8 +176,10 @@ class WarmJob:
                 time.sleep(0.05)
             peers_deadline = min(deadline, time.monotonic() + self.peers_exit_s)
             while any(p.is_alive() for p in procs) and time.monotonic() < peers_deadline:
+                self._note_exits()
                 time.sleep(0.05)
         finally:
+            self._note_exits()
             stopped = [r for r, p in enumerate(procs) if p.is_alive()]
             _stop(procs)
             self._store = None  # its server stops with the job
@@ -186,9 +191,13 @@ class WarmJob:
             if code != 0:
                 why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 out += f"warm_launch: rank {rank} of {self.nproc} {'stopped' if rank in stopped else 'failed'} ({why})\n"
-        failed = [c for r, c in enumerate(codes) if c != 0 and r not in stopped]
+        failed = [codes[r] for r in self.exit_order if codes[r] != 0 and r not in stopped]
         returncode = next((c for c in failed if c > 0), 1) if failed else 0
         return subprocess.CompletedProcess([sys.executable, "-m", self.module, *self.argv], returncode, out, None)
+
+    def _note_exits(self) -> None:
+        """Add the ranks that have exited since the last look to `exit_order` (ties: by rank)."""
+        self.exit_order += [r for r, p in enumerate(self.procs) if r not in self.exit_order and not p.is_alive()]
 
 
 def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
