@@ -14,9 +14,9 @@ step).
 
 At exit, every rank reports the sends it posted and nobody waited on
 (MEGATRON_ASYNC_EXIT_REPORT): zero after the end of --train-iters, --exit-interval with
-and without --save, and an exception (a diverging run stopped by our non-finite
-check, at each rank that stopped on it); the old runtime hangs at --exit-interval without --save and leaves sends at
-the exception.
+and without --save, and an exception (a diverging run stopped by our non-finite check,
+at each rank that stopped on it); the old runtime hangs at --exit-interval without
+--save and leaves sends at the exception.
 
 Eight iterations with the log interval 1 and evaluations every 2 reach every step end
 these flags act at, several times; the sniff test's 80 s of GEMM benchmarks are
