@@ -6,7 +6,6 @@ the same cases through Megatron's own argument validation with the plugin
 changed --train-iters on resume are each reported in one line naming what to do.
 """
 
-import json
 import os
 
 import pytest
@@ -14,7 +13,7 @@ from test_megatron_loop import RESUME, _run
 from test_refusals import BASE
 
 from megatron_async.megatron_lm.checkpoint_guard import resume_problem, unwritable_save
-from megatron_async.testing.warm_launch import warm_python
+from megatron_async.testing.refusals import check_in_one_process
 
 
 def _checkpoints(root, iterations, tracker=None, incomplete=()):
@@ -84,10 +83,7 @@ def test_refused_through_megatrons_validation(tmp_path):
         "resume": (BASE + ["--load", str(run), "--save", str(run), *every], None),  # the negative control
         "first job": (BASE + ["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new"), *every], None),
     }
-    (tmp_path / "cases.json").write_text(json.dumps({k: {"world": 1, "argv": a} for k, (a, _) in cases.items()}))
-    proc = warm_python("megatron_async.testing.refusals", [tmp_path / "cases.json", tmp_path / "out.json"], 300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    found = json.loads((tmp_path / "out.json").read_text())
+    found = check_in_one_process({k: {"world": 1, "argv": a} for k, (a, _) in cases.items()}, tmp_path)
     for name, (_, needle) in cases.items():
         if needle is None:
             assert not found[name]["refused"], (name, found[name]["error"])

@@ -17,6 +17,7 @@ import tempfile
 
 import pytest
 
+from megatron_async.testing.refusals import check_in_one_process
 from megatron_async.testing.warm_launch import warm_python
 
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
@@ -197,10 +198,7 @@ def results(small_corpus, tmp_path_factory):
     cases = {name: {"world": w, "argv": argv} for name, (w, argv, _) in CASES.items()}
     cases.update({name: {"world": w, "argv": argv} for name, (w, argv, _) in _data_cases(small_corpus, tmp_path).items()})
     cases.update({name: {"world": w, "argv": argv} for name, (w, argv) in ACCEPTED.items()})
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    proc = warm_python("megatron_async.testing.refusals", [tmp_path / "cases.json", tmp_path / "out.json"], 300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return json.loads((tmp_path / "out.json").read_text()), _data_cases(small_corpus, tmp_path)
+    return check_in_one_process(cases, tmp_path), _data_cases(small_corpus, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(CASES) + ["missing dataset", "missing tokenizer", "truncated dataset",

@@ -15,6 +15,19 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+
+def check_in_one_process(cases: dict, folder: Path, timeout_s: float = 300) -> dict:
+    """Run this module over `cases` ({name: {"world": N, "argv": [...]}}) in one warm
+    process, with its files in `folder`; returns OUT.json's results."""
+    from megatron_async.testing.warm_launch import warm_python
+
+    folder = Path(folder)
+    (folder / "cases.json").write_text(json.dumps(cases))
+    proc = warm_python("megatron_async.testing.refusals", [folder / "cases.json", folder / "out.json"], timeout_s)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return json.loads((folder / "out.json").read_text())
 
 
 def main(cases_path: str, out_path: str) -> None:
