@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_async import cpu_nccl
+
 _ACTIVE = False
 _MODE: "CudaToCpuMode | None" = None
 
@@ -171,89 +173,24 @@ class _DeviceCtx:
         return False
 
 
-SEND_WAIT_ENV = "MEGATRON_ASYNC_CPU_SEND_WAIT_S"  # how long an emulated whole-device wait waits for a receiver
 EXIT_REPORT_ENV = "MEGATRON_ASYNC_EXIT_REPORT"  # a folder: each rank writes rank<R>.json at exit
-_SENDS: list = []  # (work, peer, bytes) of every isend not yet known complete
+SEND_WAIT_ENV = cpu_nccl.SEND_WAIT_ENV
+UnreceivedSendError = cpu_nccl.DeviceWaitError
+_NCCL = cpu_nccl.EmulatedNccl()  # this process's emulated device and communicators
 _EXIT_REPORTED = False
-
-
-class UnreceivedSendError(RuntimeError):
-    """An emulated whole-device wait found a send its receiver never posted for: a hang on NCCL."""
-
-
-class _SendWork:
-    """A gloo send's work that may be waited on more than once. gloo counts waits: a
-    second wait() on its send blocks for a second send that never comes, so the
-    emulated whole-device wait and the send's owner (the executor, Megatron) cannot
-    both wait on the plain object."""
-
-    def __init__(self, work):
-        self._work = work
-        self._done = False
-
-    def wait(self, timeout=None) -> bool:
-        if not self._done:
-            self._work.wait(*([] if timeout is None else [timeout]))
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or self._work.is_completed()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-def _track_isend(original):
-    """dist.isend, remembering the send until it completes (gloo: until someone waits on it)."""
-
-    def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-        work = original(tensor, dst, group, tag, group_dst=group_dst)
-        if work is not None:
-            work = _SendWork(work)
-            _SENDS[:] = [entry for entry in _SENDS if not entry[0].is_completed()]
-            _SENDS.append((work, dst if dst is not None else group_dst, tensor.numel() * tensor.element_size()))
-        return work
-
-    isend.__wrapped__ = original
-    return isend
 
 
 def outstanding_sends() -> int:
     """Sends this process posted that nobody has waited on (gloo reports completion only then)."""
-    return sum(1 for work, _peer, _size in _SENDS if not work.is_completed())
-
-
-def _wait_for_sends(what: str) -> None:
-    """What a whole-device wait does on NCCL to point-to-point traffic: a send larger than
-    NCCL's buffer runs on the device until its receiver posts, so `synchronize` and
-    `empty_cache` (cudaFree synchronises the device) return only then. gloo's send
-    likewise completes only when its receive is posted, so wait on each; one never
-    received within MEGATRON_ASYNC_CPU_SEND_WAIT_S seconds (default 600, NCCL's watchdog)
-    raises, naming it, where NCCL would hang."""
-    import datetime
-
-    limit = float(os.environ.get(SEND_WAIT_ENV, "600"))
-    pending, _SENDS[:] = list(_SENDS), []
-    for work, peer, size in pending:
-        if work.is_completed():
-            continue
-        try:
-            work.wait(datetime.timedelta(seconds=limit))
-        except RuntimeError as err:
-            raise UnreceivedSendError(
-                f"megatron-async (CPU emulation of NCCL): {what} waited {limit:g} s for a point-to-point send of "
-                f"{size} bytes to rank {peer} that its receiver never posted for: on NCCL a send larger than its "
-                f"buffer (a real activation) runs on the GPU until it is received, so this whole-device wait "
-                f"would hang ({err})") from None
+    return _NCCL.outstanding("send")
 
 
 def _synchronize(device=None) -> None:
-    _wait_for_sends("torch.cuda.synchronize")
+    _NCCL.wait_all("torch.cuda.synchronize")
 
 
 def _empty_cache() -> None:
-    _wait_for_sends("torch.cuda.empty_cache")
+    _NCCL.wait_all("torch.cuda.empty_cache")
 
 
 def write_exit_report() -> None:
@@ -272,14 +209,11 @@ def write_exit_report() -> None:
         json.dump({"rank": int(rank), "outstanding_sends": outstanding_sends()}, out)
 
 
-def _patch_isend() -> None:
+def _patch_distributed() -> None:
+    """NCCL's device work and communicator creation on gloo (cpu_nccl.py), and the exit report."""
     import atexit
 
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    tracked = _track_isend(distributed_c10d.isend)
-    dist.isend = distributed_c10d.isend = tracked  # P2POp checks its op against the module's isend
+    cpu_nccl.install(_NCCL)
     atexit.register(write_exit_report)
 
 
@@ -291,8 +225,8 @@ def _cuda_patches() -> dict[str, Any]:
         "device_count": lambda: 1,
         "set_device": lambda device: None,
         "device": _DeviceCtx,
-        # training loops, timers, checkpointing: ordering with the host, and with NCCL's
-        # point-to-point sends, which a whole-device wait waits for (_wait_for_sends).
+        # training loops, timers, checkpointing: ordering with the host, and with every
+        # send, receive and collective posted, which a whole-device wait waits for (cpu_nccl.py).
         "synchronize": _synchronize,
         "empty_cache": _empty_cache,
         # MoE dispatchers, DDP overlap, distributed optimizer: streams and events.
@@ -520,7 +454,7 @@ def activate() -> bool:
     _patch_rng_tracker()
     _patch_moe_host_copies()
     _patch_uneven_all_gather()
-    _patch_isend()
+    _patch_distributed()
     with contextlib.suppress(ImportError):
         _patch_missing_te_names()
     _patch_torch_norm_for_sequence_parallel()

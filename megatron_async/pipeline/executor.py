@@ -53,7 +53,7 @@ class StageExecutor:
         dtype: torch.dtype,
         device: torch.device,
         on_batch_start: Optional[Callable[[int], None]] = None,
-        on_backward_start: Optional[Callable[[int], None]] = None,
+        on_batch_forwarded: Optional[Callable[[int], None]] = None,
         prev_segment: Optional[Callable[[int], list]] = None,
         final_step: Optional[int] = None,
         first_step: int = 0,
@@ -76,7 +76,7 @@ class StageExecutor:
         self.step_func = step_func
         self.m = num_microbatches
         self.on_batch_start = on_batch_start  # called before a batch's first forward (e.g. RNG snapshot)
-        self.on_backward_start = on_backward_start  # called before a batch's first backward
+        self.on_batch_forwarded = on_batch_forwarded  # called after a batch's last forward
         self.shape = activation_shape
         self.dtype = dtype
         self.device = device
@@ -118,11 +118,11 @@ class StageExecutor:
             # keeps only the autograd graph; the sent copy's storage lives until its send retires
             schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
         self._inflight[k] = (input_tensor, output)
+        if self.on_batch_forwarded is not None and k % self.m == self.m - 1:
+            self.on_batch_forwarded(k // self.m)
 
     def _backward(self, action: Backward) -> None:
         k = action.microbatch
-        if self.on_backward_start is not None and k % self.m == 0:
-            self.on_backward_start(k // self.m)
         input_tensor, output = self._inflight.pop(k)
         grad = None if self.is_last else self._received.pop(("grad", k))
         last_of_batch = k % self.m == self.m - 1

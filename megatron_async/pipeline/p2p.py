@@ -61,25 +61,16 @@ def duplicate_pipeline_group() -> dist.ProcessGroup:
     return mine
 
 
-def first_last_group(device=None) -> dist.ProcessGroup:
+def first_last_group() -> dist.ProcessGroup:
     """A group over each pipeline's first and last rank (collective: every rank must call
     it), for tied embeddings (pipeline/tied_embeddings.py); None on the stages between.
-
-    Its communicator is made here, by a one-element all-reduce of the pair, while both
-    ends are at the same point: NCCL otherwise makes it at the pair's first send or
-    receive, blocking until the other end joins, and the first stage's first receive
-    (at its first backward) comes batches before the last stage's first send (at its
-    step), which needs forwards the blocked first stage never sends: a hang. Gloo
-    connects at new_group already; the all-reduce is then just one message.
-    """
+    Its pair's communicator is made by the link's first contact (TiedEmbeddings.connect)."""
     mine = None
     for ranks in _all_pipeline_groups():
         pair = [ranks[0], ranks[-1]]
         group = dist.new_group(pair)
         if dist.get_rank() in pair:
             mine = group
-    if mine is not None:
-        dist.all_reduce(torch.zeros(1, device=device), group=mine)
     return mine
 
 

@@ -21,11 +21,17 @@ Timing, from the action lists (planning/tied_embeddings.py, tests/test_tied_timi
 the last stage reaches OptimizerStep(t) (p-1) backward slots before the first stage,
 so the gradient waits for nobody; W(t+1) is needed m(F+B) - (p-1)B later. Each
 pipeline's (first, last) pair talks over a group of its own, so the transfers never
-queue behind activations, evaluation or the stale-norm all-reduce. Per step the
-first stage posts [recv grad(t) at batch t's first backward, send W(t+1) after its
-step], the last [send grad(t), recv W(t+1) after its step]: matched in order. No
-receive waits on anything its sender does after its own step, so a whole-device wait
-at a step end (NCCL's large send runs until received) can delay but never hang.
+queue behind activations, evaluation or the stale-norm all-reduce; the pair's first
+contact is a matched exchange when the link is made (`connect`). Per step the first
+stage posts [recv grad(t) after batch t's last forward, send W(t+1) after its step],
+the last [send grad(t), recv W(t+1) after its step]: matched in order. No posted
+receive or send waits on anything its peer does after the point where it was posted
+(the last stage's step t needs nothing from the first stage after batch t's last
+forward; the first stage's step t nothing from the last after its step t), so a
+whole-device wait anywhere (NCCL's transfers are device work until matched) can
+delay but never hang. The last stage's W(t+1) receive stays posted across its step
+end: posted later, the first stage's send would wait across its own step end for a
+receive the last stage posts only after an all-rank collective that stage may be in.
 """
 
 from __future__ import annotations
@@ -48,9 +54,29 @@ class TiedEmbeddings:
         self._grad_send: Optional[tuple] = None  # last stage: (work, copy) of grad(t)
         self._weight_recv: Optional[tuple] = None  # last stage: (work, buffer) of W(t+1)
 
+    def connect(self) -> None:
+        """At link creation, where both ends are: one matched exchange each way on the
+        link's own group. Megatron makes no device-bound process groups, so torch makes
+        a pair's NCCL communicator at the pair's first unbatched send or receive and
+        blocks the host there until the peer's first; without this the first stage's
+        first gradient receive would wait for the last stage's first send at its step,
+        which needs forwards the blocked first stage has not sent. First sends then
+        receives, last receives then sends: the order of the link's later transfers."""
+        out = torch.zeros(1, dtype=self.live.dtype, device=self.live.device)
+        into = torch.empty_like(out)
+        if self.first:
+            works = [dist.isend(out, self.peer, group=self.group), dist.irecv(into, self.peer, group=self.group)]
+        else:
+            works = [dist.irecv(into, self.peer, group=self.group), dist.isend(out, self.peer, group=self.group)]
+        for work in works:
+            work.wait()
+
     # --- the first stage ----------------------------------------------------------
     def post_grad_recv(self) -> None:
-        """First stage, at batch t's first backward: the receive of the last stage's grad(t)."""
+        """First stage, after batch t's last forward: the receive of the last stage's grad(t).
+        Posted no earlier: a posted receive is device work until its data comes, and a
+        whole-device wait on this stage (an allocator retry, `empty_cache`) would then wait
+        for the last stage's step t, which needs every forward of batch t from here."""
         if self.first and self._grad_recv is None:
             buffer = torch.empty_like(self.weight.main_grad)
             self._grad_recv = (dist.irecv(buffer, self.peer, group=self.group), buffer)
@@ -61,7 +87,7 @@ class TiedEmbeddings:
         O's gradient, the first adds it to E's."""
         grad = self.weight.main_grad
         if self.first:
-            self.post_grad_recv()  # normally posted at the batch's first backward already
+            self.post_grad_recv()  # normally posted after the batch's last forward already
             work, buffer = self._grad_recv
             self._grad_recv = None
             work.wait()
@@ -172,4 +198,6 @@ def link_for(model, stash, group) -> Optional[TiedEmbeddings]:
     stage = parallel_state.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     first = stage == 0
-    return TiedEmbeddings(weight, stash.live_storage(weight), group, ranks[-1] if first else ranks[0], first)
+    link = TiedEmbeddings(weight, stash.live_storage(weight), group, ranks[-1] if first else ranks[0], first)
+    link.connect()
+    return link

@@ -81,7 +81,7 @@ class TwoBWRunner:
         self._loss_flag: LossFlag | None = None  # batch t's losses, checked after OptimizerStep(t)
         disable_first_microbatch_caches(model)  # before the first forward: TE's fp8 weight cache
         # tied embeddings: the first and last stage's own link (a collective to create: every rank)
-        self.tied = (link_for(self.model, self.stash, first_last_group(self.device))
+        self.tied = (link_for(self.model, self.stash, first_last_group())
                      if ties_across_stages(self.model) else None)
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         if data_for is None:
@@ -90,7 +90,7 @@ class TwoBWRunner:
             self.model, stream.actions(stage), self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
             activation_shape=activation_shape, dtype=dtype, device=self.device, on_batch_start=on_batch_start,
-            on_backward_start=(lambda _t: self.tied.post_grad_recv()) if self.tied else None,
+            on_batch_forwarded=(lambda _t: self.tied.post_grad_recv()) if self.tied else None,
             prev_segment=prev_segment, final_step=num_batches - 1, first_step=start_batch,
         )
 
