@@ -62,24 +62,50 @@ def wait_limit_s() -> float:
 class _Posted:
     """One posted operation: waitable more than once (gloo counts a send's or receive's
     waits, so the whole-device wait and the owner cannot both wait on the plain work),
-    and, on an eager group, complete only after the group's earlier operations."""
+    and, on an eager group, complete only after the group's earlier operations. A wait
+    with a time limit runs in a thread of its own and gives up without touching the
+    work (gloo closes the pair when its own timed wait expires; NCCL would wait on)."""
 
     def __init__(self, work, kind: str, peer, size: int, group: str, before: list):
         self._work, self.kind, self.peer, self.size, self.group = work, kind, peer, size, group
         self._before = before  # eager groups: the group's operations posted earlier
         self._done = False
+        self._lock, self._started = threading.Lock(), False
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def _wait_unbounded(self) -> None:
+        try:
+            for earlier in self._before:
+                earlier.wait()
+            self._work.wait()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+            self._error = err
+        finally:
+            self._finished.set()
 
     def wait(self, timeout=None) -> bool:
-        if not self._done:
-            for earlier in self._before:
-                earlier.wait(timeout)
-            self._work.wait(*([] if timeout is None else [timeout]))
-            self._done, self._before = True, []
+        if self._done:
+            return True
+        with self._lock:  # one real wait per operation, whichever thread asks first
+            first, self._started = not self._started, True
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if first and seconds is None:
+            self._wait_unbounded()
+        elif first:
+            threading.Thread(target=self._wait_unbounded, daemon=True).start()
+        if not self._finished.wait(seconds):
+            raise RuntimeError(f"not complete after {seconds:g} s")
+        if self._error is not None:
+            raise self._error
+        self._done, self._before = True, []
         return True
 
     def is_completed(self) -> bool:
         if self._done:
             return True
+        if self._started:
+            return self._finished.is_set() and self._error is None
         return all(e.is_completed() for e in self._before) and self._work.is_completed()
 
     def describe(self) -> str:
