@@ -319,8 +319,8 @@ def test_stage_delay_list(tmp_path):
 
 def test_stale_global_clipping_is_the_one_cross_stage_reduction(tmp_path):
     """`--clip-grad-mode stale-global` in Megatron's loop: the only collectives spanning
-    stages are its non-blocking norm all-reduces over the pipeline group (on the model's
-    device, gloo here), one per optimizer step and norm group; and it clips otherwise
+    stages are its non-blocking norm all-reduces over the pipeline's ranks (a host gloo group,
+    so no whole-device wait at a step end waits for them), one per optimizer step and norm group; and it clips otherwise
     than stage-local clipping (clip 0.05 acts at every step)."""
     common = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--clip-grad", "0.05"]
     blocking, non_blocking, _ = _audit(tmp_path, 2, common + ["--clip-grad-mode", "stale-global"], with_async=True)

@@ -201,33 +201,44 @@ def test_a_2bw_torch_checkpoint_of_a_tied_model_is_refused_by_a_synchronous_resu
 
 
 def _pair_group_entry(rank, world_size):
-    """first_last_group on a PP=4 pipeline, every all_reduce recorded: the pair's
-    communicator is made at creation by a collective of both ends (NCCL would otherwise
-    make it lazily at the first send or receive, blocking until the other end joins)."""
+    """The tied link on a PP=4 pipeline, every point-to-point operation and all-reduce
+    recorded while its group is made and its ends connect: the first contact is one
+    matched exchange each way on the link's own group (first: send, receive; last:
+    receive, send), and no collective makes a communicator nothing uses."""
+    import torch
     import torch.distributed as dist
 
     from megatron_async.pipeline import p2p
+    from megatron_async.pipeline.tied_embeddings import TiedEmbeddings
     from megatron_async.testing.parallel import init_model_parallel
 
     init_model_parallel(pipeline_model_parallel_size=4)
     seen = []
-    original = dist.all_reduce
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "isend", "irecv")}
 
-    def recording(tensor, *args, group=None, **kwargs):
-        seen.append(dist.get_process_group_ranks(group) if group is not None else None)
-        return original(tensor, *args, group=group, **kwargs)
+    def recording(name):
+        def op(tensor, *args, group=None, **kwargs):
+            seen.append((name, None if group is None else dist.get_process_group_ranks(group)))
+            return originals[name](tensor, *args, group=group, **kwargs)
+        return op
 
-    dist.all_reduce = recording
+    for name in originals:
+        setattr(dist, name, recording(name))
     try:
         group = p2p.first_last_group()
+        if group is not None:
+            weight = torch.zeros(3)
+            TiedEmbeddings(weight, weight, group, 3 if rank == 0 else 0, rank == 0).connect()
     finally:
-        dist.all_reduce = original
+        for name, original in originals.items():
+            setattr(dist, name, original)
     return (None if group is None else dist.get_process_group_ranks(group)), seen
 
 
-def test_the_first_last_group_makes_its_communicator_at_creation():
+def test_the_tied_links_first_contact_is_a_matched_exchange_on_its_own_group():
     from megatron_async.testing.multiprocess import run_distributed
 
     results = run_distributed(_pair_group_entry, 4)
     assert [r[0] for r in results] == [[0, 3], None, None, [0, 3]]
-    assert [r[1] for r in results] == [[[0, 3]], [], [], [[0, 3]]]
+    assert [r[1] for r in results] == [[("isend", [0, 3]), ("irecv", [0, 3])], [], [],
+                                       [("irecv", [0, 3]), ("isend", [0, 3])]]

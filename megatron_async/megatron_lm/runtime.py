@@ -131,7 +131,7 @@ def wrap_optimizer(model, optimizer):
         from megatron_async.pipeline.p2p import duplicate_pipeline_group
         from megatron_async.pipeline.stale_global import StaleGlobalNorm
 
-        STATE.stale_norm = StaleGlobalNorm(duplicate_pipeline_group(), next(model[0].parameters()).device)
+        STATE.stale_norm = StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
     # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
     predict = args.prediction_alpha if args.delay_correction == "predict" else None
     STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1), predict=predict)
@@ -148,8 +148,10 @@ def start_stop_agreement(args) -> None:
         return
     from megatron_async.pipeline.stop_agreement import StopAgreement
 
-    group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
-    STATE.stop = StopAgreement(group, torch.cuda.current_device())
+    # a host group: its codes are CPU scalars, so it adds no GPU kernel and no device sync to an
+    # iteration, and Megatron's whole-device waits at step ends do not wait for the slowest stage
+    group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())), backend="gloo")
+    STATE.stop = StopAgreement(group, torch.device("cpu"))
 
 
 def note_early_stop(iteration: int, reason: str, saved: bool) -> None:

@@ -53,7 +53,7 @@ class StageExecutor:
         dtype: torch.dtype,
         device: torch.device,
         on_batch_start: Optional[Callable[[int], None]] = None,
-        on_batch_forwarded: Optional[Callable[[int], None]] = None,
+        on_batch_sent: Optional[Callable[[int], None]] = None,
         prev_segment: Optional[Callable[[int], list]] = None,
         final_step: Optional[int] = None,
         first_step: int = 0,
@@ -76,7 +76,7 @@ class StageExecutor:
         self.step_func = step_func
         self.m = num_microbatches
         self.on_batch_start = on_batch_start  # called before a batch's first forward (e.g. RNG snapshot)
-        self.on_batch_forwarded = on_batch_forwarded  # called after a batch's last forward
+        self.on_batch_sent = on_batch_sent  # called once a batch's last activation send is posted
         self.shape = activation_shape
         self.dtype = dtype
         self.device = device
@@ -118,8 +118,6 @@ class StageExecutor:
             # keeps only the autograd graph; the sent copy's storage lives until its send retires
             schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
         self._inflight[k] = (input_tensor, output)
-        if self.on_batch_forwarded is not None and k % self.m == self.m - 1:
-            self.on_batch_forwarded(k // self.m)
 
     def _backward(self, action: Backward) -> None:
         k = action.microbatch
@@ -166,10 +164,14 @@ class StageExecutor:
         returns (whether it was found, the step function's result)."""
         while (action := self._peek()) is not None:
             if is_comm(action):
-                received, sends = post_run(self._comm_run(), self.links, self._outgoing, self.shape, self.dtype,
-                                           self.device)
+                run = self._comm_run()
+                received, sends = post_run(run, self.links, self._outgoing, self.shape, self.dtype, self.device)
                 self._received.update(received)
                 self.pending_sends.add(sends)
+                if self.on_batch_sent is not None:
+                    for a in run:
+                        if isinstance(a, SendActivation) and a.microbatch % self.m == self.m - 1:
+                            self.on_batch_sent(a.microbatch // self.m)
                 continue
             self._lookahead.popleft()
             if isinstance(action, Forward):

@@ -51,11 +51,12 @@ def stage_links(group: Optional[dist.ProcessGroup] = None) -> StageLinks:
     )
 
 
-def duplicate_pipeline_group() -> dist.ProcessGroup:
-    """A second group over each pipeline's ranks (collective: every rank must call it)."""
+def duplicate_pipeline_group(backend: str | None = None) -> dist.ProcessGroup:
+    """A second group over each pipeline's ranks (collective: every rank must call it);
+    `backend="gloo"`: a host group, for CPU scalars that must not become device work."""
     mine = None
     for ranks in _all_pipeline_groups():
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, backend=backend)
         if dist.get_rank() in ranks:
             mine = group
     return mine

@@ -39,8 +39,8 @@ class StaleGlobalNorm:
 
     def __init__(self, pipeline_group: dist.ProcessGroup, device: torch.device | None = None):
         self.group = pipeline_group
-        # the norms travel as tensors of the model's device: NCCL reduces only device
-        # tensors, gloo only CPU ones, and each backend serves its own device
+        # the norms are host scalars: on a host (gloo) group they add no GPU kernel, and no
+        # whole-device wait at a step end waits for the other stages' steps (NCCL would)
         self.device = device if device is not None else torch.device("cpu")
         self._pending: list = []  # previous step's (work, squared-norm tensor) per call
         self._current: list = []

@@ -5,11 +5,11 @@ gather (all-reduce) over every rank each iteration. Under 2bw the stages are up 
 step apart, so that collective would make each stage wait for the slowest every
 iteration. Instead, after iteration i every rank posts a non-blocking MAX all-reduce
 of its own stop code (0: go on; 1: a signal arrived here; 2: the duration is up) on a
-process group of its own, and reads the one it posted LAG iterations earlier. Every
-rank has long posted that one (no stage is more than one step behind another), so the
-read does not wait, and every rank reads the same value after the same iteration:
-they all stop at one iteration boundary, LAG iterations after the first rank saw the
-signal or the clock.
+host (gloo) group of its own (a CPU scalar: no GPU kernel, no device sync), and reads
+the one it posted LAG iterations earlier. Every rank has long posted that one (no
+stage is more than one step behind another), so the read does not wait, and every
+rank reads the same value after the same iteration: they all stop at one iteration
+boundary, LAG iterations after the first rank saw the signal or the clock.
 """
 
 from __future__ import annotations

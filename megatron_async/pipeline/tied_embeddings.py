@@ -23,11 +23,11 @@ so the gradient waits for nobody; W(t+1) is needed m(F+B) - (p-1)B later. Each
 pipeline's (first, last) pair talks over a group of its own, so the transfers never
 queue behind activations, evaluation or the stale-norm all-reduce; the pair's first
 contact is a matched exchange when the link is made (`connect`). Per step the first
-stage posts [recv grad(t) after batch t's last forward, send W(t+1) after its step],
-the last [send grad(t), recv W(t+1) after its step]: matched in order. No posted
+stage posts [recv grad(t) once batch t's last activation is sent, send W(t+1) after
+its step], the last [send grad(t), recv W(t+1) after its step]: matched in order. No posted
 receive or send waits on anything its peer does after the point where it was posted
 (the last stage's step t needs nothing from the first stage after batch t's last
-forward; the first stage's step t nothing from the last after its step t), so a
+activation send; the first stage's step t nothing from the last after its step t), so a
 whole-device wait anywhere (NCCL's transfers are device work until matched) can
 delay but never hang. The last stage's W(t+1) receive stays posted across its step
 end: posted later, the first stage's send would wait across its own step end for a
@@ -73,10 +73,11 @@ class TiedEmbeddings:
 
     # --- the first stage ----------------------------------------------------------
     def post_grad_recv(self) -> None:
-        """First stage, after batch t's last forward: the receive of the last stage's grad(t).
-        Posted no earlier: a posted receive is device work until its data comes, and a
-        whole-device wait on this stage (an allocator retry, `empty_cache`) would then wait
-        for the last stage's step t, which needs every forward of batch t from here."""
+        """First stage, once batch t's last activation send is posted: the receive of the
+        last stage's grad(t). Posted no earlier: a posted receive is device work until its
+        data comes, and a whole-device wait on this stage (an allocator retry, `empty_cache`)
+        would then wait for the last stage's step t, which needs every activation of batch t
+        from here."""
         if self.first and self._grad_recv is None:
             buffer = torch.empty_like(self.weight.main_grad)
             self._grad_recv = (dist.irecv(buffer, self.peer, group=self.group), buffer)
@@ -87,7 +88,7 @@ class TiedEmbeddings:
         O's gradient, the first adds it to E's."""
         grad = self.weight.main_grad
         if self.first:
-            self.post_grad_recv()  # normally posted after the batch's last forward already
+            self.post_grad_recv()  # normally posted once the batch's last activation was sent
             work, buffer = self._grad_recv
             self._grad_recv = None
             work.wait()

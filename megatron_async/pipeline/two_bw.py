@@ -71,7 +71,7 @@ class TwoBWRunner:
             raise ValueError(f"--clip-grad-mode must be stage-local or stale-global, got {clip_grad_mode!r}")
         self.stale_norm = None
         if clip_grad_mode == "stale-global":  # Megatron's loop hands in the one its checkpoints restore
-            self.stale_norm = stale_norm or StaleGlobalNorm(duplicate_pipeline_group(), self.device)
+            self.stale_norm = stale_norm or StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
         # the 2bw lists, one batch at a time (start-up and memory independent of the run's length)
         # at least one batch: a run resumed at its last iteration only evaluates, and never takes a step
         stream = TwoBWStream(p, num_microbatches, max(num_batches - start_batch, 1), first_batch=start_batch)
@@ -90,7 +90,7 @@ class TwoBWRunner:
             self.model, stream.actions(stage), self.links, self.stash, forward_step_func, data_for,
             step_func=self._step, num_microbatches=num_microbatches,
             activation_shape=activation_shape, dtype=dtype, device=self.device, on_batch_start=on_batch_start,
-            on_batch_forwarded=(lambda _t: self.tied.post_grad_recv()) if self.tied else None,
+            on_batch_sent=(lambda _t: self.tied.post_grad_recv()) if self.tied and self.tied.first else None,
             prev_segment=prev_segment, final_step=num_batches - 1, first_step=start_batch,
         )
 

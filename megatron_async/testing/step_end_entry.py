@@ -16,6 +16,14 @@ environment:
 - MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S=S: Megatron's training clock (`_TRAIN_START_TIME`)
   started S seconds earlier, so that `--exit-duration-in-mins 1` runs out S seconds
   sooner (tests/test_stop_agreement.py);
+- MEGATRON_ASYNC_TEST_OLD_TIED_CONTACT=1: the tied link's pair communicator made as it
+  was, by an all-reduce of the pair (a communicator nothing uses), with no first contact:
+  under NCCL's lazy pair communicators the first stage's first gradient receive then
+  hangs (tests/test_tied_link_waits.py, and `make test-gpu-ranks` on real NCCL);
+- MEGATRON_ASYNC_TEST_OLD_TIED_RECV=1: the tied gradient receive posted as it was, at
+  the batch's first backward, a whole batch before its sender's step;
+- MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0=1: `torch.cuda.empty_cache()` after every
+  forward and backward of the first stage, as an allocator retry would anywhere in a batch;
 - MEGATRON_ASYNC_TEST_QUICK_SNIFF=1: Megatron's `--gpu-sniff-test-interval` check with
   its GEMM and bandwidth benchmarks (80 s on the CPU) replaced by one all-reduce over
   all ranks and a device synchronisation, keeping what matters to the pipeline:
@@ -98,6 +106,60 @@ def _old_load_exit() -> None:
                         for h in hooks.HOOKS)
 
 
+def _old_tied_contact() -> None:
+    import torch.distributed as dist
+
+    from megatron_async.pipeline import p2p, tied_embeddings, two_bw
+
+    make = p2p.first_last_group
+
+    def with_pair_all_reduce():
+        group = make()
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()), group=group)
+        return group
+
+    two_bw.first_last_group = with_pair_all_reduce
+    tied_embeddings.TiedEmbeddings.connect = lambda self: None
+
+
+def _old_tied_recv() -> None:
+    from megatron_async.pipeline import executor
+
+    backward = executor.StageExecutor._backward
+
+    def posting_at_the_first_backward(self, action):
+        runner_tied = getattr(self, "tied_link_for_tests", None)
+        if runner_tied is not None and action.microbatch % self.m == 0:
+            runner_tied.post_grad_recv()
+        return backward(self, action)
+
+    executor.StageExecutor._backward = posting_at_the_first_backward
+    from megatron_async.pipeline import two_bw
+
+    init = two_bw.TwoBWRunner.__init__
+
+    def keeping_the_link(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.executor.tied_link_for_tests = self.tied
+
+    two_bw.TwoBWRunner.__init__ = keeping_the_link
+
+
+def _empty_cache_on_stage0() -> None:
+    from megatron_async.pipeline import executor
+
+    for name in ("_forward", "_backward"):
+        compute = getattr(executor.StageExecutor, name)
+
+        def then_empty_cache(self, action, compute=compute):
+            compute(self, action)
+            if self.is_first:
+                torch.cuda.empty_cache()
+
+        setattr(executor.StageExecutor, name, then_empty_cache)
+
+
 def _quick_sniff(tag="", pg_collection=None):
     value = torch.ones(1)
     torch.distributed.all_reduce(value)  # over all ranks, as the real check's all-reduce benchmark
@@ -116,6 +178,12 @@ if __name__ == "__main__":
         from megatron.training import training
 
         training._TRAIN_START_TIME -= float(os.environ["MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S"])
+    if os.environ.get("MEGATRON_ASYNC_TEST_OLD_TIED_CONTACT") == "1":
+        _old_tied_contact()
+    if os.environ.get("MEGATRON_ASYNC_TEST_OLD_TIED_RECV") == "1":
+        _old_tied_recv()
+    if os.environ.get("MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0") == "1":
+        _empty_cache_on_stage0()
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
         from megatron.training import gpu_sniff_test
 
