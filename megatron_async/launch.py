@@ -56,6 +56,9 @@ def main(argv=None) -> int:
         if on_cpu:
             cpu.write_exit_report()
     if code:  # our refusal or stop: the process groups still hold gloo/NCCL threads, which
+        from megatron_async.megatron_lm import exit_flush
+
+        exit_flush.before_exit(code)  # os._exit skips TensorBoard's and W&B's own flushes
         sys.stdout.flush()  # can abort a normal exit (SIGABRT) and so replace our exit code
         sys.stderr.flush()
         os._exit(code)

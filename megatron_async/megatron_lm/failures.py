@@ -102,6 +102,9 @@ def install_excepthook() -> None:
             previous(kind, err, tb)
             return
         report(ours[0])
+        from megatron_async.megatron_lm import exit_flush
+
+        exit_flush.before_exit(ours[1])
         sys.stdout.flush()
         os._exit(ours[1])  # process groups may hold threads that would block a normal exit
 

@@ -129,6 +129,9 @@ REFUSED_UNDER_2BW = (
      "step and runs the next batch's warm-up forwards before it"),
     ("use_megatron_fsdp", bool, "--use-megatron-fsdp",
      "shards the weights, while 2bw's stash swaps whole parameter storages between two versions"),
+    ("async_save", bool, "--async-save",
+     "finalizes a pending save with a blocking collective over all ranks every iteration "
+     "(maybe_finalize_async_save), and 2bw's stages run up to a step apart; save synchronously"),
     ("cuda_graph_impl", lambda v: v not in (None, "none"), "--cuda-graph-impl",
      "captured graphs keep the storage of the weights they captured, while 2bw switches weight versions"),
 )
