@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= 2
 GPU_PYTHON ?= python3
 GPU_REPORT ?= out/gpu
 
-.PHONY: setup test test-gpu test-cluster image image-smoke demo bench clean
+.PHONY: setup test test-gpu test-gpu-ranks test-gpu-ranks-dry test-cluster image image-smoke demo bench clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ QUICK_TESTS := tests/test_layout.py tests/test_packaging.py tests/test_schedule_
 test: setup
 	$(PY) -m pytest -q -x $(QUICK_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu \
-		--ignore=tests/cluster $(addprefix --ignore=,$(QUICK_TESTS)) $(PYTEST_ARGS)
+		--ignore=tests/cluster --ignore=tests/gpu_ranks $(addprefix --ignore=,$(QUICK_TESTS)) $(PYTEST_ARGS)
 
 # A real two-node Slurm on this machine (root; Debian's slurm-wlm, munge, iproute2) and the image
 # built and run with podman (Debian's podman, runc, debootstrap): fails, saying why, without them.
@@ -57,6 +57,14 @@ image-smoke:
 # Skips every test, saying so, where there is no CUDA GPU (tests/gpu/conftest.py).
 test-gpu:
 	MEGATRON_ASYNC_GPU_REPORT=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -q tests/gpu $(PYTEST_ARGS)
+
+# 2bw's multi-rank paths on real NCCL, 2 and 4 ranks sharing one GPU (a distinct NCCL_HOSTID
+# each): tests/gpu_ranks. Skips without CUDA; the -dry target runs the same jobs on the CPU.
+test-gpu-ranks:
+	MEGATRON_ASYNC_GPU_REPORT=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -q tests/gpu_ranks $(PYTEST_ARGS)
+
+test-gpu-ranks-dry: setup
+	MEGATRON_ASYNC_GPU_RANKS_DRY_RUN=1 MEGATRON_ASYNC_GPU_REPORT=out/gpu-dry $(PY) -m pytest -q tests/gpu_ranks $(PYTEST_ARGS)
 
 demo: setup
 	bash examples/demo.sh
