@@ -23,6 +23,9 @@ from megatron_async.schedules.gen_2bw import min_microbatches_2bw, version_2bw
 from megatron_async.schedules.generators import generate
 from megatron_async.schedules.link_order import (
     StepEnd,
+    TiedTransfer,
+    check_posted_receives,
+    with_tied_link,
     check_blocking_rendezvous,
     check_step_ends,
     check_grad_accumulation_order,
@@ -298,3 +301,37 @@ def test_a_step_on_the_wrong_side_of_a_backward_fails_the_accumulation_check():
     late = _move(acts, step, first_of_next - i)  # OptimizerStep(1) after batch 2's first backward
     with pytest.raises(ScheduleError, match="before OptimizerStep\\(1\\)"):
         check_grad_accumulation_order([lists[0], late, *lists[2:]], m)
+
+
+TIED_SHAPES = [(p, m) for p in (2, 3, 4, 8) for m in sorted({min_microbatches_2bw(p), p + 1, 2 * p + 1})]
+
+
+@pytest.mark.parametrize("p, m", TIED_SHAPES)
+def test_no_receive_of_the_tied_link_waits_for_later_work(p, m):
+    """The tied link's transfers (pipeline/tied_embeddings.py) where the runtime posts
+    them, fresh and resumed, run to the end or stopped: in order on their own group, and
+    a replay that waits on every receive where it is posted (a host in NCCL's lazy pair
+    creation, or a whole-device wait with the receive posted) finishes, with all-rank
+    barriers at the step ends too. The pipeline's own lists pass the same replay."""
+    for first in FIRSTS:
+        for stop in (None, 1):
+            plain = runtime_lists(stream(p, m, first), stop)
+            check_posted_receives(plain, step_end_barrier=True)
+            lists = with_tied_link(plain, m)
+            assert sum(isinstance(a, TiedTransfer) for a in lists[0]) > 2
+            check_link_order(lists)
+            check_step_ends(lists)
+            check_posted_receives(lists)
+            check_posted_receives(lists, step_end_barrier=True)
+
+
+@pytest.mark.parametrize("p, m", [(2, 3), (2, 4), (4, 5), (8, 17)])
+def test_negative_control_the_gradient_receive_at_the_first_backward_deadlocks(p, m):
+    """m > p: posted at batch t's first backward, the receive waits for the last stage's
+    step t, which needs activations the first stage sends later. Without the first contact
+    (the link as it was) the replay stops at that same receive."""
+    for contact in (True, False):
+        lists = with_tied_link(runtime_lists(stream(p, m, 0)), m, grad_recv="first backward", contact=contact)
+        check_link_order(lists)
+        with pytest.raises(ScheduleError, match=r"stage 0 blocks at action \d+ \(TiedRecv\(grad 0, peer"):
+            check_posted_receives(lists)

@@ -23,6 +23,15 @@ before a stage's StepEnd(t) to be received before the peer's StepEnd(t), and
 `check_blocking_rendezvous(..., step_end_barrier=True)` replays the lists with an
 all-rank barrier at every StepEnd.
 
+The tied link. Tied embeddings add transfers between the first and the last stage
+over a group of their own (pipeline/tied_embeddings.py); `with_tied_link` adds them to
+the lists where the runtime posts them (`TiedTransfer`), and the checks above keep
+each group's link apart. `check_posted_receives` replays the lists with every receive
+waited on where it is posted (sends never block): a receive that waits for work its
+sender does later shows as a deadlock, which is what a host blocked in NCCL's lazy pair
+creation, or a whole-device wait (an allocator retry anywhere) on a stage with the
+receive posted, would do.
+
 Gradient accumulation order. Transformer Engine's fused weight-gradient
 accumulation overwrites `main_grad` in the backward of the microbatch whose forward
 ran with `is_first_microbatch=True` and adds in every other backward; the executor
@@ -41,6 +50,7 @@ from megatron_async.schedules.actions import (
     BackwardWeight,
     OptimizerStep,
     Schedule,
+    SendActivation,
     ScheduleError,
     is_comm,
     is_send,
@@ -55,24 +65,100 @@ class StepEnd:
 
     step: int
 
+@dataclass(frozen=True)
+class TiedTransfer:
+    """A transfer of the tied-embedding link: `what` is "contact" (the first, at link
+    creation), "grad" (batch `step`'s output-layer gradient, last to first stage) or
+    "weights" (version `step`, first to last); `send` says which end this is."""
+
+    what: str
+    step: int
+    peer: int
+    send: bool
+
+    def __repr__(self) -> str:
+        return f"Tied{'Send' if self.send else 'Recv'}({self.what} {self.step}, peer {self.peer})"
+
+
+def _transfer(a) -> bool:
+    return is_comm(a) or isinstance(a, TiedTransfer)
+
+
+def _sends(a) -> bool:
+    return a.send if isinstance(a, TiedTransfer) else is_send(a)
+
+
+def _link(s: int, a) -> tuple:
+    """The link a transfer of stage s runs on: a pair of stages, and "tied" for the tied group."""
+    pair = (min(s, a.peer), max(s, a.peer))
+    return pair + ("tied",) if isinstance(a, TiedTransfer) else pair
+
+
+def with_tied_link(schedule: Schedule, microbatches: int, grad_recv: str = "sent", contact: bool = True) -> list:
+    """The runtime lists (StepEnd(t) where train_step(t) returns) with the tied link's
+    transfers where the runtime posts them: the contact first on both ends; the first
+    stage's receive of grad(t) once batch t's last activation send is posted
+    (`grad_recv="sent"`; "first backward": before batch t's first backward, the
+    negative control), its send of weights t+1 at its optimizer step (Megatron's, just
+    before StepEnd(t)); the last stage's send of grad(t) at OptimizerStep(t) and its
+    receive of weights t+1 at its optimizer step."""
+    m, last = microbatches, len(schedule) - 1
+    first_ops, last_ops = [], []
+    # One gradient receive posted at a time, as the runtime's: it takes the next gradient
+    # the last stage sends (a pair matches in posting order), whichever batch's hook posted it.
+    posted, following = False, None  # whether one is posted; the batch of the next gradient
+
+    def post(batch: int) -> None:
+        nonlocal posted, following
+        following = batch if following is None else following
+        if not posted:
+            first_ops.append(TiedTransfer("grad", following, last, False))
+            posted = True
+
+    for a in schedule[0]:
+        if grad_recv == "first backward" and isinstance(a, Backward) and a.microbatch % m == 0:
+            post(a.microbatch // m)
+        if isinstance(a, OptimizerStep):  # exchange_grads posts it here if it is not yet
+            post(a.step)
+            posted, following = False, a.step + 1
+        if isinstance(a, StepEnd):
+            first_ops.append(TiedTransfer("weights", a.step + 1, last, True))
+        first_ops.append(a)
+        if grad_recv == "sent" and isinstance(a, SendActivation) and a.microbatch % m == m - 1:
+            post(a.microbatch // m)
+    for a in schedule[last]:
+        if isinstance(a, StepEnd):
+            last_ops.append(TiedTransfer("weights", a.step + 1, 0, False))
+        last_ops.append(a)
+        if isinstance(a, OptimizerStep):
+            last_ops.append(TiedTransfer("grad", a.step, 0, True))
+    if contact:
+        first_ops = [TiedTransfer("contact", 0, last, True), TiedTransfer("contact", 0, last, False)] + first_ops
+        last_ops = [TiedTransfer("contact", 0, 0, False), TiedTransfer("contact", 0, 0, True)] + last_ops
+    return [first_ops] + [list(acts) for acts in schedule[1:last]] + [last_ops]
+
+
 # The passes that write weight gradients (a BackwardInput writes none).
 ACCUMULATING = (Backward, BackwardWeight)
 
 
 def _counterparts(a, s: int, b, q: int, placement) -> bool:
     """True if `b` at stage `q` is the other end of the transfer `a` at stage `s`."""
+    if isinstance(a, TiedTransfer) or isinstance(b, TiedTransfer):
+        return (isinstance(a, TiedTransfer) and isinstance(b, TiedTransfer) and (a.what, a.step) == (b.what, b.step)
+                and a.send != b.send and a.peer == q and b.peer == s)
     return (type(b) is MATCHING[type(a)] and a.peer == q and b.peer == s
             and tensor_key(a, s, placement) == tensor_key(b, q, placement))
 
 
-def link_operations(schedule: Schedule) -> dict[tuple[int, int], tuple[list, list]]:
-    """Per link (s, q) with s < q: the (action index, action) pairs stage s posts
-    towards q and stage q towards s, each in list order."""
-    links: dict[tuple[int, int], tuple[list, list]] = {}
+def link_operations(schedule: Schedule) -> dict[tuple, tuple[list, list]]:
+    """Per link (s, q) with s < q (and (s, q, "tied") for the tied group): the (action
+    index, action) pairs stage s posts towards q and stage q towards s, in list order."""
+    links: dict[tuple, tuple[list, list]] = {}
     for s, acts in enumerate(schedule):
         for i, a in enumerate(acts):
-            if is_comm(a):
-                ends = links.setdefault((min(s, a.peer), max(s, a.peer)), ([], []))
+            if _transfer(a):
+                ends = links.setdefault(_link(s, a), ([], []))
                 ends[0 if s < a.peer else 1].append((i, a))
     return links
 
@@ -81,7 +167,7 @@ def check_link_order(schedule: Schedule) -> None:
     """Both ends of every link post the same transfers in the same order; else
     ScheduleError naming the link, the position on it and both operations."""
     placement = placement_of(schedule)
-    for (s, q), (low, high) in sorted(link_operations(schedule).items()):
+    for (s, q, *_group), (low, high) in sorted(link_operations(schedule).items()):
         for n in range(max(len(low), len(high))):
             if n >= len(low) or n >= len(high):
                 stage, (i, a) = (q, high[n]) if n >= len(low) else (s, low[n])
@@ -99,10 +185,10 @@ def check_step_ends(schedule: Schedule) -> None:
     """Every send a stage posts before its StepEnd(t) is received by the peer before
     the peer's StepEnd(t); else ScheduleError naming both ends. Needs matched links
     (`check_link_order` first)."""
-    for (s, q), (low, high) in sorted(link_operations(schedule).items()):
+    for (s, q, *_group), (low, high) in sorted(link_operations(schedule).items()):
         ends = {s: _steps_before(schedule[s]), q: _steps_before(schedule[q])}
         for (i, a), (j, b) in zip(low, high):
-            (ss, si, sa), (rs, ri, ra) = ((s, i, a), (q, j, b)) if is_send(a) else ((q, j, b), (s, i, a))
+            (ss, si, sa), (rs, ri, ra) = ((s, i, a), (q, j, b)) if _sends(a) else ((q, j, b), (s, i, a))
             sent, received = ends[ss][si], ends[rs][ri]
             if received > sent:
                 raise ScheduleError(
@@ -133,7 +219,7 @@ def check_blocking_rendezvous(schedule: Schedule, step_end_barrier: bool = False
     def current(s: int):
         """Stage s's next communication action (or StepEnd with the barrier), compute
         skipped (it never blocks)."""
-        while ptr[s] < len(lists[s]) and not (is_comm(lists[s][ptr[s]])
+        while ptr[s] < len(lists[s]) and not (_transfer(lists[s][ptr[s]])
                                               or (step_end_barrier and isinstance(lists[s][ptr[s]], StepEnd))):
             ptr[s] += 1
         return lists[s][ptr[s]] if ptr[s] < len(lists[s]) else None
@@ -168,6 +254,53 @@ def check_blocking_rendezvous(schedule: Schedule, step_end_barrier: bool = False
             return f"stage {s} blocks at action {ptr[s]} ({a!r}) waiting for stage {a.peer}"
         raise ScheduleError("deadlock under in-order blocking point-to-point: "
                             + "; ".join(state(s) for s in range(len(lists))))
+
+
+def check_posted_receives(schedule: Schedule, step_end_barrier: bool = False) -> None:
+    """Run every stage's list in order, a send never blocking (it is posted and the host
+    goes on) and a receive blocking its stage until the peer has posted the send, each
+    link's transfers matched in order: a stage that waits for the whole device right
+    after posting any receive. ScheduleError naming every stage's blocked operation if
+    stuck, or a link whose next posted send is not the receive's counterpart.
+    `step_end_barrier`: every StepEnd(t) is an all-rank barrier."""
+    placement = placement_of(schedule)
+    lists = [list(acts) for acts in schedule]
+    ptr = [0] * len(lists)
+    queued: dict = {}  # (link, direction) -> sends posted and not yet received, in order
+
+    def current(s: int):
+        while ptr[s] < len(lists[s]) and not (_transfer(lists[s][ptr[s]])
+                                              or (step_end_barrier and isinstance(lists[s][ptr[s]], StepEnd))):
+            ptr[s] += 1
+        return lists[s][ptr[s]] if ptr[s] < len(lists[s]) else None
+
+    moved = True
+    while moved:
+        moved = False
+        if step_end_barrier:
+            at = [current(s) for s in range(len(lists))]
+            if at and all(isinstance(a, StepEnd) and a == at[0] for a in at):
+                for s in range(len(lists)):
+                    ptr[s] += 1
+                moved = True
+        for s in range(len(lists)):
+            while (a := current(s)) is not None and not isinstance(a, StepEnd):
+                if _sends(a):
+                    queued.setdefault((_link(s, a), s), []).append(a)
+                else:
+                    waiting = queued.get((_link(s, a), a.peer), [])
+                    if not waiting:
+                        break
+                    if not _counterparts(a, s, waiting[0], a.peer, placement):
+                        raise ScheduleError(f"stage {s} receives {a!r} but the next send stage {a.peer} posted on "
+                                            f"that link is {waiting[0]!r}: a link matches in posting order")
+                    waiting.pop(0)
+                ptr[s] += 1
+                moved = True
+    blocked = [s for s in range(len(lists)) if ptr[s] < len(lists[s])]
+    if blocked:
+        raise ScheduleError("deadlock with every receive waited on where it is posted: " + "; ".join(
+            f"stage {s} blocks at action {ptr[s]} ({lists[s][ptr[s]]!r})" for s in blocked))
 
 
 def check_grad_accumulation_order(schedule: Schedule, microbatches: int) -> None:
