@@ -40,3 +40,16 @@ def test_transfer_time_only_widens_the_gradient_window(p, m):
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16)])
 def test_negative_control_without_the_one_step_delay_there_is_no_window(p, m):
     assert tied_windows(p, m, lag=0).weights_before_next_step < 0
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 16), (8, 64)])
+def test_the_gradient_receive_is_posted_for_a_constant_time_not_a_batch(p, m):
+    """Posted once batch b's last activation is sent, stage 0's gradient receive waits
+    B + (p-1) F for its data, whatever m; posted at b's first backward (as it was) it
+    waited most of a batch, m (F + B) less a few slots: device work for a whole-device
+    wait to meet, and a spinning kernel on NCCL."""
+    from megatron_async.planning.tied_embeddings import grad_receive_open
+
+    now, before = grad_receive_open(p, m), grad_receive_open(p, m, "first backward")
+    assert now == pytest.approx(2.0 + (p - 1) * 1.0)
+    assert before > m * 3.0 / 2 > now

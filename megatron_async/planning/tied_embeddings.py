@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_async.schedules.actions import Backward, OptimizerStep
+from megatron_async.schedules.actions import Backward, Forward, OptimizerStep
 from megatron_async.schedules.gen_2bw import two_bw, version_2bw
 from megatron_async.schedules.simulator import simulate
 
@@ -52,3 +52,27 @@ def tied_windows(num_stages: int, microbatches: int, fwd: float = 1.0, bwd: floa
         grad_backward.append(ends[(0, last)] - bwd - ready)
         weights.append(ends[(p - 1, OptimizerStep(b + lag))] - opt - ends[(0, OptimizerStep(b))])
     return TiedWindows(min(grad_step), min(grad_backward), min(weights))
+
+
+def grad_receive_open(num_stages: int, microbatches: int, posted_at: str = "sent", fwd: float = 1.0,
+                      bwd: float = 2.0, batches: int = 6) -> float:
+    """How long stage 0's receive of batch b's gradient stays posted before the last stage
+    sends it (the end of its last backward of b), over the steady batches, in the
+    simulator's units; the batch period is m (F + B). `posted_at`: "sent", once batch b's
+    last activation send is posted (the runtime); "first backward", at b's first backward
+    (as it was). While posted it is device work that a whole-device wait on stage 0 waits
+    for, and on NCCL a kernel spinning on stage 0's GPU."""
+    p, m = num_stages, microbatches
+    lists = two_bw(p, m, batches)
+    sim = simulate(lists, fwd=fwd, bwd=bwd)
+    ends = {(s, a): sim.action_ends[s][i] for s, acts in enumerate(lists) for i, a in enumerate(acts)}
+    open_for = []
+    for b in range(1, batches - 2):
+        if posted_at == "sent":
+            last_forward = Forward((b + 1) * m - 1, version_2bw((b + 1) * m - 1, m))
+            posted = ends[(0, last_forward)]
+        else:
+            posted = ends[(0, Backward(b * m, version_2bw(b * m, m)))] - bwd
+        last = Backward((b + 1) * m - 1, version_2bw((b + 1) * m - 1, m))
+        open_for.append(ends[(p - 1, last)] - posted)
+    return max(open_for)

@@ -12,19 +12,28 @@ Megatron's local layers, bf16, Muon, m = 8 microbatches (> p).
 - PP=2 x DP=2 with the distributed optimizer and --overlap-grad-reduce, MoE at EP=2,
   TP=2, and --empty-unused-memory-level 2 with --train-sync-interval 1: each finishes
   with a finite loss at every iteration.
+- `--exit-signal-handler` with SIGTERM to the last stage's rank only: every rank stops
+  after one agreed iteration and saves there; resumed, the losses equal an uninterrupted
+  run's within RESUME_RTOL.
 - Negative control: the tied link as it was (a pair all-reduce, then the first stage's
   first gradient receive at its first backward) hangs; the job is killed at
   HANG_TIMEOUT_S, naming the case. On the CPU dry run the emulation fails it instead.
 Every case has a timeout that fails naming it.
 """
 
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
 from megatron_async.testing.gpu.compare import finite_losses, max_relative_difference
 from megatron_async.testing.gpu.gpt_flags import MUON, gpt_flags, simulated_twin, two_bw
-from megatron_async.testing.gpu.launch import DETERMINISTIC_ENV, read_metrics, run_with_timeout, tail, train_losses
+from megatron_async.testing.gpu.launch import (DETERMINISTIC_ENV, ROOT, rank_pids, read_metrics, run_with_timeout,
+                                               subprocess_env, tail, train_losses)
 
 ITERS = 10
 LOSS_RTOL = 5e-3
@@ -33,12 +42,17 @@ HANG_TIMEOUT_S = 90
 BASE = gpt_flags(layers=4, hidden=128, heads=4, seq=128, micro_batch=2, global_batch=16, iters=ITERS, lr=5e-3,
                  impl="local") + MUON + ["--layout-invariant-init"]
 TIED = [a for a in BASE if a != "--untie-embeddings-and-output-weights"]
+RESUME_RTOL = 1e-6  # deterministic kernels and NCCL's ring: a resume is expected bit for bit
 ENV = {**DETERMINISTIC_ENV, "MEGATRON_ASYNC_CPU_SEND_WAIT_S": "20"}  # the second: the CPU dry run's NCCL waits
 
 
+def _command(nproc: int, args: list) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "megatron_async.testing.gpu.shared_gpu_entry", "--gpt", *map(str, args)]
+
+
 def _job(case: str, nproc: int, args: list, timeout_s: float = TIMEOUT_S, env: dict | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_async.testing.gpu.shared_gpu_entry", "--gpt", *map(str, args)]
+    cmd = _command(nproc, args)
     try:
         return run_with_timeout(cmd, timeout_s, env={**ENV, **(env or {})}, nproc=nproc)
     except TimeoutError as err:
@@ -91,6 +105,62 @@ def test_2bw_layouts_train(tmp_path, case, record):
     nproc, args = LAYOUTS[case]
     losses = _losses(tmp_path, case, nproc, args)
     record(losses=losses)
+
+
+def _losses_by_iteration(path) -> dict:
+    return {r["iteration"]: r["lm_loss"] for r in read_metrics(path) if "lm_loss" in r}
+
+
+def _signalled(case: str, args: list, metrics, log, rank: int, after: int) -> str:
+    """The job in the background; SIGTERM to `rank` alone once `after` iterations are logged.
+    Returns its output; fails naming the case past TIMEOUT_S or when it exits otherwise than 0."""
+    deadline = time.monotonic() + TIMEOUT_S
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_command(2, args), stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env=subprocess_env(ENV), cwd=ROOT, start_new_session=True)
+    try:
+        while not metrics.exists() or len(_losses_by_iteration(metrics)) < after:
+            assert proc.poll() is None, f"case {case!r} ended before the signal:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"case {case!r}: no {after} iterations in {TIMEOUT_S} s"
+            time.sleep(0.2)
+        os.kill(rank_pids(proc.pid)[rank], signal.SIGTERM)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"case {case!r} did not finish within {TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, f"case {case!r} exited {proc.returncode}:\n{text[-4000:]}"
+    return text
+
+
+def test_sigterm_to_one_rank_stops_at_an_agreed_iteration_and_resumes(tmp_path, record):
+    case = "SIGTERM to one rank"
+    ckpt = tmp_path / "ckpt"
+    flags = [a for a in BASE + two_bw(2)] + ["--lr-decay-style", "constant", "--exit-signal-handler",
+                                             "--save-interval", 1000]
+    flags[flags.index("--train-iters") + 1] = 1000
+    first, second, whole = (tmp_path / f"{n}.jsonl" for n in ("first", "second", "whole"))
+    text = _signalled(case, flags + ["--save", ckpt, "--metrics-json", first], first, tmp_path / "first.log",
+                      rank=1, after=3)
+    stops = re.findall(r"stopping after iteration (\d+), agreed by every rank", text)
+    assert len(stops) == 1, f"case {case!r}: no agreed stop:\n{text[-4000:]}"
+    stop = int(stops[0])
+    end = stop + 3
+    proc = _job(f"{case}, resumed", 2, flags + ["--save", ckpt, "--load", ckpt, "--exit-interval", end,
+                                               "--metrics-json", second])
+    assert proc.returncode == 0, f"case {case!r}, resumed:\n{tail(proc)}"
+    proc = _job(f"{case}, uninterrupted", 2, flags + ["--exit-interval", end, "--metrics-json", whole])
+    assert proc.returncode == 0, f"case {case!r}, uninterrupted:\n{tail(proc)}"
+    stopped, resumed, reference = (_losses_by_iteration(p) for p in (first, second, whole))
+    joined = {**{i: x for i, x in stopped.items() if i <= stop}, **resumed}
+    assert sorted(joined) == sorted(reference) == list(range(1, end + 1)), (sorted(joined), sorted(reference))
+    order = sorted(reference)
+    difference = max_relative_difference([joined[i] for i in order], [reference[i] for i in order])
+    record(stopped_after=stop, max_rel_difference=difference)
+    assert difference <= RESUME_RTOL, f"case {case!r}: the resume differs by {difference:.2e}"
 
 
 def test_negative_control_the_old_tied_link_hangs(record):

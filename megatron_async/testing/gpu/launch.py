@@ -39,8 +39,14 @@ def subprocess_env(extra: Mapping[str, str] | None = None) -> dict:
 def ranks_running(session: int) -> list[int]:
     """The RANKs of the live processes of a session (Linux /proc; [] elsewhere): at a
     timeout, the ranks that are not among them are the ones that died first."""
-    ranks = set()
-    for entry in Path("/proc").glob("[0-9]*"):
+    return sorted(set(rank_pids(session)))
+
+
+def rank_pids(session: int) -> dict[int, int]:
+    """RANK -> pid of the live processes of a session that carry a RANK: torchrun's workers
+    (the lowest pid of a RANK: processes a worker starts inherit its RANK)."""
+    ranks: dict[int, int] = {}
+    for entry in sorted(Path("/proc").glob("[0-9]*"), key=lambda e: -int(e.name)):
         try:
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
@@ -49,8 +55,8 @@ def ranks_running(session: int) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
-        ranks.update(int(v[5:]) for v in environ if v.startswith(b"RANK=") and v[5:].isdigit())
-    return sorted(ranks)
+        ranks.update((int(v[5:]), int(entry.name)) for v in environ if v.startswith(b"RANK=") and v[5:].isdigit())
+    return ranks
 
 
 def _ranks_line(session: int, nproc: int | None) -> str:
