@@ -43,19 +43,31 @@ def ranks_running(session: int) -> list[int]:
 
 
 def rank_pids(session: int) -> dict[int, int]:
-    """RANK -> pid of the live processes of a session that carry a RANK: torchrun's workers
+    """RANK -> pid of the live processes of a session, or descended from its leader (torchrun
+    may start its workers in sessions of their own), that carry a RANK: torchrun's workers
     (the lowest pid of a RANK: processes a worker starts inherit its RANK)."""
-    ranks: dict[int, int] = {}
-    for entry in sorted(Path("/proc").glob("[0-9]*"), key=lambda e: -int(e.name)):
+    table = {}
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, session, ...
-            if int(fields[3]) != session or fields[0] in ("Z", "X"):
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
+            if fields[0] not in ("Z", "X"):
+                table[int(entry.name)] = (int(fields[1]), int(fields[3]))
         except (OSError, ValueError, IndexError):
             continue
-        ranks.update((int(v[5:]), int(entry.name)) for v in environ if v.startswith(b"RANK=") and v[5:].isdigit())
+    mine = {pid for pid, (_ppid, sid) in table.items() if sid == session}
+    grew = True
+    while grew:
+        more = {pid for pid, (ppid, _sid) in table.items() if ppid in mine and pid not in mine}
+        mine |= more
+        grew = bool(more)
+    ranks: dict[int, int] = {}
+    for pid in sorted(mine, reverse=True):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks.update((int(v[5:]), pid) for v in environ if v.startswith(b"RANK=") and v[5:].isdigit())
     return ranks
 
 
