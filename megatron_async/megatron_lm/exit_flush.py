@@ -13,6 +13,7 @@ count on; it is named instead, so nobody takes its folder for a whole checkpoint
 from __future__ import annotations
 
 import contextlib
+import sys
 
 
 def before_exit(code: int) -> None:
@@ -30,9 +31,8 @@ def before_exit(code: int) -> None:
         with contextlib.suppress(Exception):
             wandb.finish(exit_code=code)
     with contextlib.suppress(Exception):
-        if not async_utils.is_empty_async_queue():
-            from megatron_async.megatron_lm import failures
-
-            failures.report("megatron-async: an asynchronous checkpoint save (--async-save) was still being written "
-                            "and is not finalized: its folder is incomplete and Megatron's tracker file still names "
-                            "the checkpoint before it, which is the one to resume from")
+        if not async_utils.is_empty_async_queue():  # one write: ranks sharing an output keep whole lines
+            sys.stderr.write("megatron-async: an asynchronous checkpoint save (--async-save) was still being written "
+                             "and is not finalized: its folder is incomplete and Megatron's tracker file still names "
+                             "the checkpoint before it, which is the one to resume from\n")
+            sys.stderr.flush()
