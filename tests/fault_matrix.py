@@ -8,6 +8,11 @@ FAULTS = [
     ("a truncated shard, `torch_dist`",
      "exit 2 before training, naming the checkpoint, its damaged files and the previous complete iteration",
      ["tests/test_checkpoint_guard.py::test_a_truncated_checkpoint_is_named_with_the_previous_complete_one"]),
+    ("a 0-byte shard or a deleted `.metadata`, `torch_dist`, read already in Megatron's argument validation "
+     "(tied embeddings)",
+     "exit 2 before training, naming the checkpoint, the damaged or missing file and the previous complete "
+     "iteration; the `--ckpt-step` it advises resumes into the same `--save`, saving over the damaged one",
+     ["tests/test_checkpoint_guard.py::test_a_damaged_checkpoint_read_in_validation_is_named_and_the_advice_works"]),
     ("a truncated `model_optim_rng.pt`, `torch` format, on every rank or on one",
      "exit 2 (Megatron's loader exits 0 there) on each rank that found it, naming the file, the rank and the "
      "previous complete iteration; torchrun's root cause is that rank",

@@ -108,6 +108,53 @@ def test_a_truncated_checkpoint_is_named_with_the_previous_complete_one(tmp_path
     assert f"damaged: {shard}" in line, line  # the truncated file itself
 
 
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory):
+    """A tied 2bw PP=2 run checkpointed (torch_dist) at iterations 4 and 8: its resume reads
+    the checkpoint in Megatron's argument validation already (the tie must match)."""
+    import test_megatron_loop as loop
+
+    root = tmp_path_factory.mktemp("tied")
+    model = loop.MODEL
+    loop.MODEL = [a for a in model if a != "--untie-embeddings-and-output-weights"]
+    try:
+        proc, _ = _run(root, "first", 2, TORCH_DIST + ["--save", str(root / "ckpt"), "--save-interval", "4"])
+    finally:
+        loop.MODEL = model
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return root / "ckpt"
+
+
+DAMAGE = {"a 0-byte shard": lambda d: max(d.glob("*.distcp"), key=os.path.getsize),
+          "a deleted .metadata": lambda d: d / ".metadata"}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_read_in_validation_is_named_and_the_advice_works(tmp_path, tied_checkpoint, damage,
+                                                                               monkeypatch):
+    import shutil
+
+    import test_megatron_loop as loop
+
+    monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tied_checkpoint, ckpt)
+    path = DAMAGE[damage](ckpt / "iter_0000008")
+    if damage == "a 0-byte shard":
+        path.write_bytes(b"")
+    else:
+        path.unlink()
+    proc, _ = _run(tmp_path, "second", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "8"])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if "cannot be loaded" in line)
+    assert "iter_0000008" in line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, line
+    assert f"damaged: {path}" in line, line
+    # the advice as given: resume from 4 into the same --save (the damaged 8 is saved again)
+    proc, _ = _run(tmp_path, "advice", 2, TORCH_DIST + ["--load", str(ckpt), "--save", str(ckpt), "--save-interval",
+                                                        "4", "--ckpt-step", "4", "--train-iters", "8"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
 def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import numpy as np
 import torch
@@ -114,8 +115,17 @@ def saved_megatron_args(directory: str):
             if not files or not os.path.isfile(files[0]):
                 return None
             state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 - a damaged checkpoint is the load guard's to name
-        return None
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        from megatron_async.megatron_lm.checkpoint_guard import load_failure
+        from megatron_async.megatron_lm.side_state import CheckpointStateError
+
+        root, name = os.path.split(os.path.normpath(directory))
+        match = re.fullmatch(r"iter_(\d{7})", name)
+        if match is None:  # not one of Megatron's iteration folders (a release checkpoint): the loader names it
+            return None
+        raise CheckpointStateError(f"megatron-async: {load_failure(root, int(match.group(1)), err)}") from None
     return state.get("args") if isinstance(state, dict) else None
 
 

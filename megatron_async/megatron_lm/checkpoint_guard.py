@@ -8,8 +8,8 @@ exists, on every rank, from the file system alone:
 
 - `--load` holds complete checkpoints but no readable tracker: refused, naming the
   newest complete iteration and `--ckpt-step`;
-- `--save` holds complete checkpoints newer than the iteration this run resumes
-  from: refused, naming the newest and `--load`;
+- `--save` holds complete, undamaged checkpoints newer than the iteration this run
+  resumes from: refused, naming the newest and `--load`;
 - `--save` cannot be written: refused now rather than at the first save.
 
 An empty or missing `--load` still starts: the first job of a requeue chain whose
@@ -74,7 +74,10 @@ def resume_problem(load: Optional[str], save: Optional[str], ckpt_step: Optional
             return (f"--load {load} holds checkpoints (the newest complete one: iteration {held[-1]}) but no "
                     f"readable {TRACKER}, so Megatron would start from scratch; pass --ckpt-step {held[-1]} to "
                     f"resume from it, or restore the tracker file")
-    newer = [i for i in complete_iterations(save) if i > start]
+    # a damaged newer checkpoint is no loss: resuming earlier (--ckpt-step, the advice a failed
+    # load gives) saves that iteration again over it
+    newer = [i for i in complete_iterations(save) if i > start
+             and not damaged_files(os.path.join(save, f"iter_{i:07d}"))]
     lagging_tracker = (load and save and ckpt_step is None and tracked is not None
                        and os.path.realpath(load) == os.path.realpath(save))
     if newer and lagging_tracker:
@@ -124,8 +127,12 @@ def load_failure(root: str, iteration: int, err: BaseException) -> str:
 
 def damaged_files(directory: str) -> list[str]:
     """Files of a checkpoint that are shorter than what it recorded (torch_dist: the byte
-    ranges in `.metadata`) or are not whole zip archives (torch format's .pt files)."""
+    ranges in `.metadata`), missing (torch_dist's `.metadata`) or not whole zip archives
+    (torch format's .pt files)."""
     damaged = []
+    metadata = os.path.join(directory, ".metadata")
+    if os.path.isfile(os.path.join(directory, "metadata.json")) and not os.path.isfile(metadata):
+        damaged.append(metadata)  # torch_dist writes it last: the save did not finish, or it was lost
     try:
         from torch.distributed.checkpoint import FileSystemReader
 
