@@ -129,6 +129,22 @@ def saved_megatron_args(directory: str):
     return state.get("args") if isinstance(state, dict) else None
 
 
+def holds_a_stash(directory: str) -> bool:
+    """Whether a checkpoint directory holds a 2bw weight stash, read from its files alone:
+    torch_dist lists it in `.metadata`, the torch format keeps per-rank files beside."""
+    from megatron_async.megatron_lm import side_state
+
+    if os.path.isdir(os.path.join(directory, side_state.SUBDIR)):
+        return True
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - no torch_dist metadata: nothing of ours in it
+        return False
+    return any(key.startswith("weight_stash") for key in keys)  # runtime.STASH_KEY, the optimizer's entry
+
+
 def saved_contents(args) -> dict:
     """What the checkpoint `--load` will resume holds of ours ({} for none or a foreign one)."""
     directory = resume_directory(args)

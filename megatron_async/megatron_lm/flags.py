@@ -375,6 +375,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
 
     _check_tied_embeddings_match(args)
     held = saved_contents(args)
+    _check_marker_present(args, held)
     if not held.get("weight_stash"):
         return
     where = held["loaded_from"]
@@ -416,6 +417,25 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
 def _tying(untied: bool) -> str:
     return ("--untie-embeddings-and-output-weights (separate output weights)" if untied
             else "tied input and output embeddings (Megatron's default, no --untie-embeddings-and-output-weights)")
+
+
+def _check_marker_present(args: argparse.Namespace, held: dict) -> None:
+    """A checkpoint whose files hold a 2bw weight stash but whose megatron_async.json (what
+    says how to read it) is gone would resume with both weight versions equal, silently
+    another trajectory: refused, naming the file and the previous complete checkpoint."""
+    from megatron_async.megatron_lm.checkpoint import MARKER, holds_a_stash, resume_directory
+    from megatron_async.megatron_lm.checkpoint_guard import complete_iterations
+
+    directory = resume_directory(args)
+    if held or directory is None or args.finetune or args.no_load_optim or not holds_a_stash(directory):
+        return
+    name = os.path.basename(os.path.normpath(directory))
+    older = [i for i in complete_iterations(args.load) if f"iter_{i:07d}" < name]
+    previous = f"; the previous complete checkpoint is iteration {older[-1]} (--ckpt-step {older[-1]})" if older else ""
+    _require(False, f"--load {args.load}: the checkpoint in {directory} holds a 2bw weight stash but not its "
+                    f"{MARKER}, which says how to read it (lost, or the checkpoint was copied without it), so the "
+                    f"run would resume with both weight versions equal: restore the file{previous}, or pass "
+                    "--no-load-optim to start both versions from the loaded weights on purpose")
 
 
 def _check_tied_embeddings_match(args: argparse.Namespace) -> None:

@@ -213,10 +213,35 @@ def _save_checkpoint(original):
         if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
             side_state.save(checkpoint_dir(root, iteration), runtime.per_rank_state())
             write_marker(root, iteration, contents, create=True)
-        result = original(iteration, *args, **kwargs)
-        if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into
-            write_marker(root, iteration, contents)
+        if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into:
+            runtime.STATE.marker_due = (root, iteration, contents)  # written when Megatron names its tracker
+        try:
+            result = original(iteration, *args, **kwargs)
+        finally:
+            due, runtime.STATE.marker_due = runtime.STATE.marker_due, None
+        if due is not None:  # no tracker written on this rank (write_marker writes on rank 0 only)
+            write_marker(*due)
         return result
+
+    return hooked
+
+
+def _checkpoint_tracker_filename(original):
+    """Rank 0 names the tracker file once every rank has saved, right before writing it: a
+    pending torch_dist marker is written there, so no tracker ever names a 2bw checkpoint
+    without it (a node lost between the two writes leaves the previous checkpoint tracked)."""
+
+    @functools.wraps(original)
+    def hooked(checkpoints_path):
+        import os
+
+        due = runtime.STATE.marker_due
+        if due is not None and os.path.realpath(due[0]) == os.path.realpath(checkpoints_path):
+            from megatron_async.megatron_lm.checkpoint import write_marker
+
+            runtime.STATE.marker_due = None
+            write_marker(*due)
+        return original(checkpoints_path)
 
     return hooked
 
@@ -461,6 +486,9 @@ HOOKS = (
          _save_checkpoint),
     Hook("megatron.training.checkpointing", "get_rng_state", "checkpointing.py:645 save_checkpoint",
          _get_rng_state),
+    Hook("megatron.training.checkpointing", "get_checkpoint_tracker_filename",
+         "checkpointing.py:960 save_checkpoint (rank 0, after every rank saved, before the tracker is written)",
+         _checkpoint_tracker_filename),
     Hook(T, "load_checkpoint", "training.py:2199 setup_model_and_optimizer", _load_checkpoint),
     Hook("megatron.core.optimizer_param_scheduler:OptimizerParamScheduler", "_check_and_set",
          "optimizer_param_scheduler.py:318, from load_state_dict when a checkpoint is loaded", _check_scheduler_value),

@@ -29,7 +29,7 @@ from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 STASH_KEY = "weight_stash"
 STALE_NORM_KEY = "stale_global_norm"
 STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None, stale_norm=None,
-                        optimizer=None, resumed={}, stop=None)
+                        optimizer=None, resumed={}, stop=None, marker_due=None)
 
 
 class DelayedStepOptimizer:

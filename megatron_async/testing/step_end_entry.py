@@ -24,6 +24,9 @@ environment:
   the batch's first backward, a whole batch before its sender's step;
 - MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0=1: `torch.cuda.empty_cache()` after every
   forward and backward of the first stage, as an allocator retry would anywhere in a batch;
+- MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE=N: the process exits (code 9, as if killed) right after
+  Megatron's save of iteration N returned, tracker written, before anything of ours that
+  follows it (tests/test_stash_save.py: a node lost there);
 - MEGATRON_ASYNC_TEST_QUICK_SNIFF=1: Megatron's `--gpu-sniff-test-interval` check with
   its GEMM and bandwidth benchmarks (80 s on the CPU) replaced by one all-reduce over
   all ranks and a device synchronisation, keeping what matters to the pipeline:
@@ -160,6 +163,22 @@ def _empty_cache_on_stage0() -> None:
         setattr(executor.StageExecutor, name, then_empty_cache)
 
 
+def _exit_after_save(at: int) -> None:
+    """Wraps Megatron's save itself, so the plugin's hook (installed later) wraps this."""
+    from megatron.training import training
+
+    save = training.save_checkpoint
+
+    def save_then_exit(iteration, *args, **kwargs):
+        result = save(iteration, *args, **kwargs)
+        if iteration == at:
+            sys.stdout.flush()
+            os._exit(9)
+        return result
+
+    training.save_checkpoint = save_then_exit
+
+
 def _quick_sniff(tag="", pg_collection=None):
     value = torch.ones(1)
     torch.distributed.all_reduce(value)  # over all ranks, as the real check's all-reduce benchmark
@@ -184,6 +203,8 @@ if __name__ == "__main__":
         _old_tied_recv()
     if os.environ.get("MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0") == "1":
         _empty_cache_on_stage0()
+    if os.environ.get("MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE"):
+        _exit_after_save(int(os.environ["MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE"]))
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
         from megatron.training import gpu_sniff_test
 
