@@ -7,9 +7,20 @@ and writes its job into it (host, pid, start time, job id); every rank learns th
 outcome, so a second live job is refused on every rank, naming the first. The lock
 belongs to a live process: the kernel drops it when that process dies, so a
 requeue after `kill -9` takes it at once. Before each save every rank reads the file
-again; if it names another job (the file was removed and taken while this job ran,
-or a file system without coherent locks let two in), this job stops before the save,
-naming the job that took it.
+again and the ranks agree on what they read, so either every rank saves or none; if it
+names another job (the file was removed and taken while this job ran, or a file system
+without coherent locks let two in), the job stops before the save, naming the job that
+took it.
+
+On the file systems clusters use: a file system that refuses `flock` (Lustre mounted
+`noflock`: ENOSYS; NFS without lock support: ENOLCK) is refused before training, naming
+its error and the way out. A requeue of the same Slurm job whose previous run held the
+lock on a node that died waits for the lock (Lustre and NFSv4 keep a lost node's lock
+until its lease expires, 90-100 s or more), bounded by MEGATRON_ASYNC_SAVE_LOCK_WAIT_S
+(default 300), saying so. Processes forked from the holder (DataLoader workers, a
+fork-based checkpoint writer) close their copy of the lock, so it ends with the holder.
+Node-local locks (Lustre `localflock`, NFS `local_lock=flock`) cannot be seen from one
+node; the check before each save is what catches two jobs there.
 """
 
 from __future__ import annotations
@@ -24,7 +35,22 @@ from typing import Optional
 from megatron_async.megatron_lm.side_state import CheckpointStateError
 
 LOCK_NAME = ".megatron_async_writer"
+WAIT_ENV = "MEGATRON_ASYNC_SAVE_LOCK_WAIT_S"
 _HELD: dict = {}  # save directory -> (fd, record) while this process holds its lock
+
+
+def _close_in_child() -> None:
+    """A forked child shares the holder's open file, and with it the lock, which would then
+    outlive the holder; the child closes its copy (the holder's lock is unchanged)."""
+    for fd, _record in _HELD.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class SaveLockError(CheckpointStateError):
@@ -69,12 +95,33 @@ def take(save: str) -> Optional[str]:
     os.makedirs(save, exist_ok=True)
     path = os.path.join(save, LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return (f"--save {save} is being written by another live job ({_describe(_read(path))}); two jobs saving "
-                "into one directory replace each other's checkpoints. Stop that job, or choose another --save")
+    waited = False
+    deadline = time.monotonic() + float(os.environ.get(WAIT_ENV, "300"))
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            owner = _read(path)
+            if _same_slurm_job_elsewhere(owner) and time.monotonic() < deadline:
+                if not waited:
+                    print(f"megatron-async: --save {save} is locked by an earlier run of this Slurm job on host "
+                          f"{owner.get('host')}; waiting up to {os.environ.get(WAIT_ENV, '300')} s for its lock "
+                          "(a lost node's lock lasts until the file system's lease for it expires)", flush=True)
+                    waited = True
+                time.sleep(1.0)
+                continue
+            os.close(fd)
+            return (f"--save {save} is being written by another live job ({_describe(owner)}); two jobs saving "
+                    "into one directory replace each other's checkpoints. Stop that job, or choose another --save")
+        except OSError as err:
+            os.close(fd)
+            import errno
+
+            name = errno.errorcode.get(err.errno, str(err.errno))
+            return (f"--save {save}: its file system refuses flock ({name}: {err.strerror}), which keeps two jobs "
+                    "from saving into one directory (Lustre mounted with noflock, NFS without lock support). Mount "
+                    "it with flock (Lustre: -o flock), or choose a --save on a file system that has it")
     record = {"job": job_id(), "host": socket.gethostname(), "pid": os.getpid(),
               "started": datetime.datetime.now().isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)
@@ -82,6 +129,13 @@ def take(save: str) -> Optional[str]:
     os.fsync(fd)
     _HELD[save] = (fd, record)
     return None
+
+
+def _same_slurm_job_elsewhere(owner: Optional[dict]) -> bool:
+    """The holder is an earlier run of this Slurm job (a requeue keeps SLURM_JOB_ID) on another host."""
+    slurm = os.environ.get("SLURM_JOB_ID")
+    return bool(owner and slurm and f"(Slurm job {slurm})" in str(owner.get("job"))
+                and owner.get("host") != socket.gethostname())
 
 
 def take_on_every_rank(save: str) -> None:
@@ -95,9 +149,20 @@ def take_on_every_rank(save: str) -> None:
 
 
 def check_before_save(save: str, iteration: int) -> None:
-    """Every rank, before a save: the lock file still names this job."""
-    owner = _read(os.path.join(save, LOCK_NAME), tries=1)
+    """Every rank, before a save: the lock file still names this job. The ranks agree on
+    it (Megatron's save is a collective of every rank anyway), so a read that fails on one
+    rank stops all of them before anyone writes, not that rank alone in the middle."""
+    import torch.distributed as dist
+
+    owner = _read(os.path.join(save, LOCK_NAME), tries=5)
+    problem = None
     if owner is None or owner.get("job") != job_id():
-        raise SaveLockError(
-            f"megatron-async: --save {save} was taken over while this job ran, by {_describe(owner)}; this job "
-            f"stops before saving iteration {iteration} so that neither job replaces the other's checkpoints")
+        problem = (f"megatron-async: --save {save} was taken over while this job ran, by {_describe(owner)}; this "
+                   f"job stops before saving iteration {iteration} so that neither job replaces the other's "
+                   "checkpoints")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, problem)
+        problem = next((p for p in seen if p), None)
+    if problem:
+        raise SaveLockError(problem)
