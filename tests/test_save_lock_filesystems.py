@@ -8,7 +8,9 @@
   run still holds on another host, and takes it once freed (control: another Slurm job
   is refused at once);
 - the check before each save is agreed by every rank: one rank that reads another job in
-  the lock file stops both (control: both read this job and go on).
+  the lock file stops both (control: both read this job and go on);
+- a node-local lock (this node gets it, another host's holder is alive) is refused while
+  the holder's record is fresh, and taken once it is stale.
 """
 
 import errno
@@ -85,6 +87,8 @@ SLOW_HOLDER = textwrap.dedent("""
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.pwrite(fd, json.dumps({"job": "run-1 (Slurm job 77)", "host": "node-that-died", "pid": 1,
                               "started": "then"}).encode(), 0)
+    past = time.time() - 100  # a dead node's record: untouched since it died
+    os.utime(os.path.join(save, ".megatron_async_writer"), (past, past))
     print("held", flush=True)
     time.sleep(release_after)
 """)
@@ -125,3 +129,22 @@ def test_the_check_before_a_save_is_agreed_by_every_rank(tmp_path):
     problems = run_distributed(_agreement_entry, 2, str(tmp_path / "a"), True, timeout_s=60)
     assert all(p and "stops before saving iteration 8" in p for p in problems), problems
     assert run_distributed(_agreement_entry, 2, str(tmp_path / "b"), False, timeout_s=60) == [None, None]
+
+
+def test_a_node_local_lock_is_refused_when_the_holders_record_is_alive(tmp_path, monkeypatch):
+    """Emulated: this node gets the lock (flock succeeds) while the record names a job on
+    another host. Touched just now, it is refused; gone stale, it is taken."""
+    import fcntl
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: None)
+    for age, taken in ((0.0, False), (save_lock.STALE_S + 5, True)):
+        save = tmp_path / f"age{int(age)}"
+        save.mkdir()
+        record = save / save_lock.LOCK_NAME
+        record.write_text(json.dumps({"job": "run-9", "host": "other-node", "pid": 1, "started": "then"}))
+        os.utime(record, (time.time() - age, time.time() - age))
+        problem = save_lock.take(str(save))
+        save_lock._HELD.clear()
+        assert (problem is None) is taken, (age, problem)
+        if not taken:
+            assert "node-local" in problem and "other-node" in problem, problem

@@ -19,8 +19,11 @@ lock on a node that died waits for the lock (Lustre and NFSv4 keep a lost node's
 until its lease expires, 90-100 s or more), bounded by MEGATRON_ASYNC_SAVE_LOCK_WAIT_S
 (default 300), saying so. Processes forked from the holder (DataLoader workers, a
 fork-based checkpoint writer) close their copy of the lock, so it ends with the holder.
-Node-local locks (Lustre `localflock`, NFS `local_lock=flock`) cannot be seen from one
-node; the check before each save is what catches two jobs there.
+Node-local locks (Lustre `localflock`, NFS `local_lock=flock`, BeeGFS by default) let a
+second node take a lock the first still holds: the holder touches its record every
+HEARTBEAT_S seconds, and a job that gets the lock but finds a record of another host
+touched within STALE_S is refused, naming it (a requeue of the same Slurm job waits for
+the record to go stale instead). The check before each save stays as a second guard.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from megatron_async.megatron_lm.side_state import CheckpointStateError
 
 LOCK_NAME = ".megatron_async_writer"
 WAIT_ENV = "MEGATRON_ASYNC_SAVE_LOCK_WAIT_S"
+HEARTBEAT_S = 10.0  # how often the holder touches its record
+STALE_S = 3 * HEARTBEAT_S  # a record untouched this long belongs to no live holder
 _HELD: dict = {}  # save directory -> (fd, record) while this process holds its lock
 
 
@@ -122,13 +127,51 @@ def take(save: str) -> Optional[str]:
             return (f"--save {save}: its file system refuses flock ({name}: {err.strerror}), which keeps two jobs "
                     "from saving into one directory (Lustre mounted with noflock, NFS without lock support). Mount "
                     "it with flock (Lustre: -o flock), or choose a --save on a file system that has it")
+    while True:  # the lock is ours on this node; is another node's holder alive (a node-local lock)?
+        owner = _read(path, tries=1)
+        if not _alive_elsewhere(path, owner):
+            break
+        if _same_slurm_job_elsewhere(owner) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            continue
+        os.close(fd)
+        return (f"--save {save} is being written by another live job ({_describe(owner)}, its record touched "
+                f"{time.time() - os.path.getmtime(path):.0f} s ago), although this node got the lock: the file "
+                "system's locks are node-local (Lustre localflock, NFS local_lock=flock, BeeGFS), so two jobs "
+                "could both write. Stop that job, choose another --save, or mount with global locks")
     record = {"job": job_id(), "host": socket.gethostname(), "pid": os.getpid(),
               "started": datetime.datetime.now().isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     os.fsync(fd)
     _HELD[save] = (fd, record)
+    _heartbeat(path)
     return None
+
+
+def _alive_elsewhere(path: str, owner: Optional[dict]) -> bool:
+    """A record of another host, touched within STALE_S: its holder is alive there."""
+    if not owner or owner.get("host") == socket.gethostname():
+        return False
+    try:
+        return time.time() - os.path.getmtime(path) < STALE_S
+    except OSError:
+        return False
+
+
+def _heartbeat(path: str) -> None:
+    """Touch the record every HEARTBEAT_S seconds while this process lives (a daemon thread)."""
+    import threading
+
+    def beat():
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
+    threading.Thread(target=beat, name="megatron-async-save-lock", daemon=True).start()
 
 
 def _same_slurm_job_elsewhere(owner: Optional[dict]) -> bool:
