@@ -101,3 +101,21 @@ def test_megatrons_loop_refuses_mismatched_tokenizer_before_any_process_group(sm
     lines = [line for line in proc.stdout.splitlines() if line.startswith("megatron-async: error:")]
     assert len(lines) == 1 and "--train-data-path" in lines[0], proc.stdout[-3000:]
     assert str(small_corpus / "train_text_document") in lines[0] and str(vocab300 / "tokenizer.model") in lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--data-path", "--train-data-path"])
+def test_a_refusal_names_the_flag_the_data_came_from(small_corpus, vocab300, flag):
+    """Megatron's argument check (flags._check_data) with a blend given by --data-path names
+    --data-path, not --train-data-path."""
+    from types import SimpleNamespace
+
+    from megatron_async.megatron_lm.flags import FlagError, _check_data
+
+    prefix = str(small_corpus / "train_text_document")
+    args = SimpleNamespace(mock_data=False, train_data_path=[prefix] if flag == "--train-data-path" else None,
+                           data_path=[prefix] if flag == "--data-path" else None, valid_data_path=None,
+                           tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(vocab300 / "tokenizer.model"),
+                           seq_length=32, global_batch_size=8, vocab_size=None)
+    with pytest.raises(FlagError) as err:
+        _check_data(args)
+    assert f"{flag} " in str(err.value) or f"{flag}:" in str(err.value), str(err.value)

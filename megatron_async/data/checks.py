@@ -167,12 +167,14 @@ def check_training_data(
     seq_length: int,
     global_batch_size: int,
     vocab_size: Optional[int] = None,
+    train_flag: str = "--train-data-path",
 ) -> None:
     """All checks for a training run (flags named as in Megatron-LM); raises DataError.
 
     `tokenizer_model` is the SentencePiece model, or None with `vocab_size` for other tokenizers.
+    `train_flag`: the flag the training prefixes came from (--data-path for a blend).
     """
-    for flag, prefixes in (("--train-data-path", train_prefixes), ("--valid-data-path", valid_prefixes)):
+    for flag, prefixes in ((train_flag, train_prefixes), ("--valid-data-path", valid_prefixes)):
         if prefixes:
             check_tokenizer_matches(prefixes, tokenizer_model, vocab_size, flag)
             check_enough_tokens(prefixes, seq_length, global_batch_size, flag)

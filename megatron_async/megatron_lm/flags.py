@@ -506,6 +506,7 @@ def _check_data(args: argparse.Namespace) -> None:
     try:
         check_training_data(train, _prefixes(args.valid_data_path) or None,
                             args.tokenizer_model if sentencepiece else None, args.seq_length,
-                            args.global_batch_size, vocab_size=None if sentencepiece else args.vocab_size)
+                            args.global_batch_size, vocab_size=None if sentencepiece else args.vocab_size,
+                            train_flag="--train-data-path" if _prefixes(args.train_data_path) else "--data-path")
     except DataError as err:
         raise FlagError(str(err)) from None

@@ -73,10 +73,19 @@ def check_room(save: str, model_chunks, args) -> None:
     need = replica_parameters(model_chunks) * bytes_per_parameter(args)
     free = free_bytes(save)
     if dist.get_rank() == 0:
-        print(f"megatron-async: --save {save}: one checkpoint needs about {need / 2**20:.1f} MiB "
-              f"({bytes_per_parameter(args)} bytes a parameter); {free / 2**30:.2f} GiB free", flush=True)
+        print(f"megatron-async: --save {save}: one checkpoint needs about {size_text(need)} "
+              f"({bytes_per_parameter(args)} bytes a parameter); {size_text(free)} free", flush=True)
     if free < need:
         raise SaveSpaceError(
-            f"megatron-async: --save {save} has {free / 2**30:.2f} GiB free, but one checkpoint of this run needs "
-            f"about {need / 2**30:.2f} GiB (weights, optimizer state and the 2bw stash); free space or choose "
+            f"megatron-async: --save {save} has {size_text(free)} free, but one checkpoint of this run needs "
+            f"about {size_text(need)} (weights, optimizer state and the 2bw stash); free space or choose "
             "another --save")
+
+
+def size_text(count: int) -> str:
+    """Bytes in the unit that shows them: 512 B, 3.4 MiB, 12.50 GiB."""
+    if count < 2**10:
+        return f"{count} B"
+    if count < 2**30:
+        return f"{count / 2**20:.1f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
+    return f"{count / 2**30:.2f} GiB"
