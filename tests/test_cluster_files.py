@@ -223,3 +223,14 @@ def test_smollm_360m_slurm_dry_run_checks_its_command(tmp_path):
     command = proc.stdout.splitlines()[1]
     assert "--pipeline-schedule 2bw" in command and "--untie-embeddings-and-output-weights" not in command
     assert proc.stdout.splitlines()[-1].startswith("ok: ") and "world size 8" in proc.stdout
+
+
+def test_the_local_cluster_stops_only_what_it_started():
+    """On a host that also runs a real Slurm, `local_cluster.sh stop` must not end its
+    slurmstepds or munged: nothing is killed by a bare process name."""
+    import re
+
+    script = (REPO / "examples" / "slurm" / "local_cluster.sh").read_text()
+    stop = script[script.index("stop() {"):script.index("\n}\n", script.index("stop() {"))]
+    assert not re.search(r"pkill[^\n]*(slurmstepd|-x munged)", stop), stop
+    assert re.search(r'pkill -9 -f "slurmd -f \$CONF"', stop)  # the daemons of this configuration only

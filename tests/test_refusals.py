@@ -78,6 +78,7 @@ CASES = {
     "batch-size ramp-up": (2, _without(BASE, "--global-batch-size") + TWO_BW + [
         "--global-batch-size", "16", "--rampup-batch-size", "8", "8", "100"], "--rampup-batch-size"),
     "cuda graphs": (2, BASE + TWO_BW + ["--cuda-graph-impl", "local"], "--cuda-graph-impl"),
+    "fp8 without Transformer Engine": (1, BASE + ["--fp8-format", "hybrid"], "--fp8-format hybrid"),
     "asynchronous saves": (2, BASE + TWO_BW + SAVE + ["--async-save", "--use-persistent-ckpt-worker"],
                            "--async-save"),
     "virtual pipeline stages": (2, _without(BASE, "--num-layers") + TWO_BW + [

@@ -69,7 +69,7 @@ start_munge() {
   fi
   if ! pgrep -x munged > /dev/null; then
     runuser -u munge -- /usr/sbin/munged --force
-    touch "$BASE/munged.ours"  # started here, so stopped here too
+    pgrep -x -n munged > "$BASE/munged.ours"  # started here, so stopped here too (by this pid)
   fi
 }
 
@@ -142,10 +142,9 @@ stop() {
     [[ -f "$pidfile" ]] && kill "$(cat "$pidfile")" 2>/dev/null || true
   done
   sleep 1
-  pkill -9 -f "slurmd -f $CONF" 2>/dev/null || true
+  pkill -9 -f "slurmd -f $CONF" 2>/dev/null || true  # only daemons of this cluster's configuration
   pkill -9 -f "slurmctld -f $CONF" 2>/dev/null || true
-  pkill -9 -f "slurmstepd" 2>/dev/null || true
-  local node
+  local node  # the nodes' slurmstepds and ranks live in their network namespaces: ended below, by pid
   for node in "${NODES[@]}"; do
     ip netns pids "mas-$node" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "mas-$node" 2>/dev/null || true
@@ -154,7 +153,7 @@ stop() {
   done
   ip link del "$BRIDGE" 2>/dev/null || true
   if [[ -f "$BASE/munged.ours" ]]; then
-    pkill -x munged 2>/dev/null || true
+    [[ -s "$BASE/munged.ours" ]] && kill "$(cat "$BASE/munged.ours")" 2>/dev/null || true
     rm -f "$BASE/munged.ours"
   fi
   rm -rf "$BASE/state" "$BASE/run"

@@ -187,6 +187,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     _check_simulated_delay(args, delays)
     _check_delay_correction(args, delays)
     _check_optimizer(args)
+    _check_low_precision(args)
     _check_data(args)
     _check_checkpoints(args)
     if args.pipeline_schedule == "2bw" or args.simulated_delay:
@@ -216,6 +217,22 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
                  f"{'' if args.virtual_pipeline_model_parallel_size else 'no '}virtual stages Megatron runs "
                  f"{picked!r}")
     return args
+
+
+def _check_low_precision(args: argparse.Namespace) -> None:
+    """fp8 and fp4 live in Transformer Engine's layers: with Megatron's local layers, or with
+    no Transformer Engine installed, Megatron trains in full precision without a word."""
+    for flag, value in (("--fp8-format", getattr(args, "fp8", None)), ("--fp4-format", getattr(args, "fp4", None))):
+        if not value:
+            continue
+        _require(args.transformer_impl == "transformer_engine",
+                 f"{flag} {value}: only Transformer Engine's layers compute in {flag[2:5]}, and this run uses "
+                 f"--transformer-impl {args.transformer_impl}, so it would train in full precision without a word")
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            _require(False, f"{flag} {value} needs Transformer Engine, which is not installed here: Megatron "
+                            "would train in full precision without a word")
 
 
 def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
