@@ -40,7 +40,7 @@ build() {
 }
 
 smoke() {
-  image_exists "$IMAGE" || { echo "image: no $IMAGE (docker/image.sh build first)" >&2; exit 1; }
+  image_exists "$IMAGE" || { echo "image: no $IMAGE yet: building it first"; build; }
   local start=$SECONDS
   # shellcheck disable=SC2016  # expanded inside the container
   engine_run -e OMP_NUM_THREADS=1 -e ITERS="$SMOKE_ITERS" "$IMAGE" bash -c '
