@@ -249,3 +249,15 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
         proc = _torchrun(["-m", "megatron_async.testing.step_end_entry", *argv], 2, 300, None)
         root_cause = proc.stdout[proc.stdout.index("Root Cause"):]
         assert int(re.search(r"rank\s*:\s*(\d+)", root_cause).group(1)) == 0, root_cause
+
+
+def test_a_resume_that_will_train_nothing_says_so(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from megatron_async.megatron_lm.flags import _say_when_nothing_will_train
+
+    root = _checkpoints(tmp_path / "ckpt", [8], tracker=8)
+    for iters, said in ((8, True), (4, True), (12, False)):
+        _say_when_nothing_will_train(SimpleNamespace(load=str(root), ckpt_step=None, train_iters=iters))
+        out = capsys.readouterr().out
+        assert ("nothing will be trained" in out) is said, (iters, out)

@@ -75,4 +75,19 @@ def test_a_report_is_one_write_of_the_whole_line(monkeypatch, sleeps):
     failures.report("megatron-async: error: --save x is being written by another live job (rank 1)")
     failures.other_failure(RuntimeError(PEER_LOSS))
     assert writes[0] == "megatron-async: error: --save x is being written by another live job (rank 1)\n"
-    assert len(writes) == 2 and writes[1].startswith("megatron-async: rank") and writes[1].endswith("first\n")
+    assert len(writes) == 2 and writes[1].startswith("megatron-async: rank 0: lost a peer rank")
+    assert writes[1].endswith("\n") and writes[1].count("\n") == 1
+
+
+@pytest.mark.parametrize("launcher, said", [
+    ({"TORCHELASTIC_RUN_ID": "r1"}, "torchrun names the rank that failed first"),
+    ({"SLURM_JOB_ID": "77"}, "srun's first non-zero task"),
+])
+def test_a_lost_peer_names_where_the_first_failure_is_for_its_launcher(sleeps, capsys, monkeypatch, launcher, said):
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    failures.other_failure(RuntimeError(PEER_LOSS))
+    err = capsys.readouterr().err
+    assert said in err and ("torchrun" in err) == ("TORCHELASTIC_RUN_ID" in launcher), err

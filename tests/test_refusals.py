@@ -138,8 +138,10 @@ CASES = {
                         "--muon-coefficient-type 'nonsense'"),
     "unknown optimizer": (1, BASE + ["--optimizer", "adamax9000"], "--optimizer"),
     "optimizer that cannot step": (1, BASE + ["--optimizer", "adaptive_muon"], "--optimizer 'adaptive_muon'"),
+    "exit signal that is no signal": (1, BASE + ["--exit-signal", "SIGBOGUS"], "'SIGBOGUS' is no signal"),
 }
-REFUSED_BY = {"unknown delay correction": "argparse", "unknown optimizer": "argparse"}  # else our checks
+REFUSED_BY = {"unknown delay correction": "argparse", "unknown optimizer": "argparse",
+              "exit signal that is no signal": "argparse"}  # else our checks
 ACCEPTED = {
     "2bw": (2, BASE + TWO_BW),
     "2bw, muon + EF, distributed optimizer": (4, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "ef",
@@ -163,6 +165,8 @@ ACCEPTED = {
     "2bw, stale-global clipping": (2, BASE + TWO_BW + ["--clip-grad-mode", "stale-global"]),
     "2bw, exit signal handler and duration": (2, BASE + TWO_BW + ["--exit-signal-handler", "--exit-duration-in-mins",
                                                                   "60"]),
+    "2bw, Ctrl-C as the exit signal, by number": (2, BASE + TWO_BW + ["--exit-signal-handler", "--exit-signal",
+                                                                      "2"]),
     "2bw saving torch_dist": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch_dist"]),
     "2bw saving torch": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch"]),
     "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),

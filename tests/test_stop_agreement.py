@@ -71,23 +71,28 @@ def whole(tmp_path_factory):
     return losses_to
 
 
-@pytest.mark.parametrize("reason", ["signal", "duration"])
+SIGNALS = {"signal": signal.SIGTERM, "Ctrl-C": signal.SIGINT}
+
+
+@pytest.mark.parametrize("reason", ["signal", "Ctrl-C", "duration"])
 def test_a_stopped_2bw_job_saves_at_one_iteration_and_resumes_bit_for_bit(tmp_path, reason, whole):
+    """Ctrl-C: SIGINT as Megatron's exit signal (`--exit-signal 2`, by number)."""
     ckpt = tmp_path / "ckpt"
     extra = ["--save", ckpt, "--save-interval", 100000]
-    extra += ["--exit-signal-handler"] if reason == "signal" else ["--exit-duration-in-mins", 1]
+    extra += (["--exit-signal-handler"] if reason == "signal" else ["--exit-signal-handler", "--exit-signal", "2"]
+              if reason == "Ctrl-C" else ["--exit-duration-in-mins", 1])
     log = tmp_path / "stopped.log"
     # the duration case: Megatron's clock starts 57 s ahead, so the minute runs out 3 s after its start (seen
     # here after iteration 1: the stop is agreed LAG iterations later, mid-training all the same)
-    job = _start(_flags(tmp_path, "stopped", extra), log, clock_ahead_s=None if reason == "signal" else 57)
+    job = _start(_flags(tmp_path, "stopped", extra), log, clock_ahead_s=57 if reason == "duration" else None)
     try:
-        if reason == "signal":
+        if reason in SIGNALS:
             deadline = time.monotonic() + 180
             while len(_losses(tmp_path / "stopped.jsonl")) < 3 if (tmp_path / "stopped.jsonl").exists() else True:
                 assert job.running(), log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "no third iteration within 180 s"
                 time.sleep(0.1)
-            job.signal(1, signal.SIGTERM)  # the last stage only; the first learns it by agreement
+            job.signal(1, SIGNALS[reason])  # the last stage only; the first learns it by agreement
         finished = job.wait(300)
         code, out = finished.returncode, finished.stdout
     finally:

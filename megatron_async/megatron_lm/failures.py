@@ -64,11 +64,19 @@ def other_failure(err: BaseException) -> None:
         pass
     rank = os.environ.get("RANK", "0")
     if any(text in str(err) for text in _PEER_LOSS):
-        _write_line(f"megatron-async: rank {rank}: lost a peer rank ({type(err).__name__}); torchrun names the "
-                    "rank that failed first")
+        _write_line(f"megatron-async: rank {rank}: lost a peer rank ({type(err).__name__}); {_who_names_it()}")
         time.sleep(PEER_LOSS_GRACE_S)
     else:
         record_error(f"rank {rank}: {type(err).__name__}: {err}")
+
+
+def _who_names_it() -> str:
+    """Where the rank that failed first is named: torchrun's summary, or the launcher's log."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun names the rank that failed first"
+    if os.environ.get("SLURM_JOB_ID"):
+        return "the rank that failed first is the earliest failure in the job's log (srun's first non-zero task)"
+    return "the rank that failed first is the earliest failure in the job's log"
 
 
 def record_error(message: str) -> None:

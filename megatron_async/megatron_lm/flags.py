@@ -57,7 +57,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --metrics-json: train and validation loss, drawn when training ends")
     _escape_percent_in_help(parser)
     _mark_defaults_2bw_replaces(parser)
+    _exit_signal_by_name_or_number(parser)
     return parser
+
+
+def _exit_signal_by_name_or_number(parser: argparse.ArgumentParser) -> None:
+    """Megatron reads --exit-signal as a signal's name (SIGTERM) and crashes with a
+    KeyError on anything else, a number included; take the number too, and refuse any
+    other value with argparse's own one-line error, naming the flag."""
+    import signal
+
+    for action in parser._actions:
+        if "--exit-signal" not in action.option_strings:
+            continue
+
+        def by_name_or_number(text: str) -> signal.Signals:
+            try:
+                return signal.Signals(int(text)) if text.lstrip("-").isdigit() else signal.Signals[text]
+            except (KeyError, ValueError):
+                raise argparse.ArgumentTypeError(
+                    f"{text!r} is no signal: give its name (SIGTERM, SIGINT, SIGUSR1, ...) or its number") from None
+
+        by_name_or_number.__name__ = "signal"
+        action.type = by_name_or_number
 
 
 # Megatron flags whose default 2bw cannot run with, and what 2bw sets instead when the user
@@ -391,6 +413,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
     from megatron_async.megatron_lm.checkpoint import saved_contents
 
     _check_tied_embeddings_match(args)
+    _say_when_nothing_will_train(args)
     held = saved_contents(args)
     _check_marker_present(args, held)
     if not held.get("weight_stash"):
@@ -434,6 +457,21 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
 def _tying(untied: bool) -> str:
     return ("--untie-embeddings-and-output-weights (separate output weights)" if untied
             else "tied input and output embeddings (Megatron's default, no --untie-embeddings-and-output-weights)")
+
+
+def _say_when_nothing_will_train(args: argparse.Namespace) -> None:
+    """--train-iters at or below the iteration the run resumes from: Megatron loads, evaluates
+    and exits 0 having trained nothing, without a word; say it (rank 0), once, up front."""
+    from megatron_async.megatron_lm.checkpoint import resume_directory
+
+    directory = resume_directory(args)
+    match = re.search(r"iter_(\d{7})$", os.path.normpath(directory)) if directory else None
+    if match is None or args.train_iters is None or args.train_iters > int(match.group(1)):
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megatron-async: --train-iters {args.train_iters} is not beyond iteration {int(match.group(1))}, "
+              f"where --load {args.load} resumes: nothing will be trained (Megatron evaluates and exits); raise "
+              "--train-iters to go on", flush=True)
 
 
 def _check_marker_present(args: argparse.Namespace, held: dict) -> None:
