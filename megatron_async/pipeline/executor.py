@@ -106,8 +106,11 @@ class StageExecutor:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
         reports = self._reports.setdefault(k // self.m, [])
         # The stash's saved-tensor hooks only where an optimizer step falls between this
-        # forward and its backward (and on the first forward, so an alias guard fires at once).
-        hooks = k // self.m > self._next_step() or self.forwards == 1
+        # forward and its backward, and on the run's first microbatch (k = 0), so an alias
+        # guard fires at once. By the microbatch's index, not this process's first forward:
+        # a resumed run then hooks exactly the forwards the uninterrupted run hooked (with
+        # tied embeddings and MTP a hooked forward's backward rounds differently).
+        hooks = k // self.m > self._next_step() or k == 0
         with self.stash.use(action.version, hooks=hooks):
             output, _ = schedules.forward_step(
                 self.forward_step_func, self.data_for(k), self.model, self.m, input_tensor, reports, self.config,
