@@ -14,7 +14,7 @@ import json
 import shutil
 
 import pytest
-from test_megatron_loop import ITERS, RESUME, _assert_same, _logged_losses, _losses, _run
+from test_megatron_loop import ITERS, MARKERLESS_RESUME, OLD_ENTRY, RESUME, _assert_same, _logged_losses, _losses, _run
 
 TORCH = [a for a in RESUME if a not in ("--ckpt-format", "torch_dist")] + ["--ckpt-format", "torch"]
 PP2_2BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
@@ -29,9 +29,9 @@ def _first_half(tmp_path, nproc, flags):
     return ckpt, first
 
 
-def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second"):
+def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second", **run):
     proc, second = _run(tmp_path, name, nproc, flags + ["--load", str(ckpt), "--save", str(ckpt),
-                                                        "--save-interval", "100"])
+                                                        "--save-interval", "100"], **run)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return _logged_losses(first, second)
 
@@ -63,7 +63,8 @@ def test_torch_format_resume_equals_the_uninterrupted_run(tmp_path, case):
     assert len(resumed) == ITERS
     _assert_same(resumed, full)
     if case == "muon + DC-ASGD":  # negative control: the same checkpoint without our state resumes elsewhere
-        without = _resumed_losses(tmp_path, nproc, flags, bare, first, name="without")
+        without = _resumed_losses(tmp_path, nproc, flags, bare, first, name="without", module=OLD_ENTRY,
+                                  env=MARKERLESS_RESUME)
         with pytest.raises(AssertionError):
             _assert_same(without, full)
 
@@ -228,7 +229,8 @@ def test_torch_dist_stash_reshards_to_another_layout(tmp_path, layout, reshard_r
     if layout == "PP=4":  # negative control (once: 4-process runs are slow on 2 cores)
         bare = _copy(ckpt, tmp_path / "bare")
         (bare / f"iter_{SAVED_AT:07d}" / "megatron_async.json").unlink()  # resumes without the stash
-        without = _resumed_losses(tmp_path, nproc, RESHARD + flags, bare, first, "without")
+        without = _resumed_losses(tmp_path, nproc, RESHARD + flags, bare, first, "without", module=OLD_ENTRY,
+                                  env=MARKERLESS_RESUME)
         assert not _close(without, same, RESHARD_RTOL), "a resume without the stash must differ"
 
 

@@ -23,6 +23,7 @@ from megatron_async.testing.launch import torchrun_megatron
 from megatron_async.testing.multiprocess import run_distributed
 from megatron_async.testing.tiny_gpt import TinyGPT
 from megatron_async.testing.trajectory import assert_same_trajectory
+from megatron_async.testing.warm_launch import warm_run
 
 STEPS = 8
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
@@ -205,9 +206,12 @@ def test_trainer_resume_restores_ef_state(tmp_path):
     for it in (4, 5, 6):
         assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), it
     # negative control: without its marker the checkpoint resumes with no stash and no EF state
+    # (as it did before such a resume was refused: the refusal switched off)
     (ckpt / "iter_0000003" / "megatron_async.json").unlink()
     bare = tmp_path / "bare.jsonl"
-    run = torchrun_megatron(TRAINER + MUON_EF + ["--load", ckpt, "--metrics-json", bare], nproc=1, timeout_s=200)
+    run = warm_run("megatron_async.testing.step_end_entry",
+                   ["--gpt", *map(str, TRAINER + MUON_EF + ["--load", ckpt, "--metrics-json", bare])], 1, 200,
+                   env={"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"})
     assert run.returncode == 0, run.stdout[-4000:]
     c = _losses(bare)
     assert any(c[it] != pytest.approx(a[it], rel=1e-6, abs=0) for it in (4, 5, 6)), (c, a)

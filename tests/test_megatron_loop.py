@@ -180,6 +180,10 @@ def test_install_names_a_missing_megatron_function(monkeypatch):
 
 
 RESUME = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--ckpt-format", "torch_dist"]
+# the resume tests' negative controls: a checkpoint without its marker resumes without our state,
+# as before such a resume was refused (megatron_async/testing/step_end_entry.py)
+OLD_ENTRY = "megatron_async.testing.step_end_entry"
+MARKERLESS_RESUME = {"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"}
 
 
 RESUMED = {**{name: OPTIMIZERS[name] for name in ("adam", "muon+ef")},
@@ -214,7 +218,8 @@ def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
     assert len(resumed) == ITERS
     _assert_same(resumed, full)
     if optimizer in ("muon+ef", "adam, stale-global clipping"):  # without our state it resumes elsewhere
-        proc, without = _run(tmp_path, "without", 2, MODEL_DROPOUT + ["--load", str(bare)])
+        proc, without = _run(tmp_path, "without", 2, MODEL_DROPOUT + ["--load", str(bare)], module=OLD_ENTRY,
+                             env=MARKERLESS_RESUME)
         assert proc.returncode == 0, proc.stdout[-4000:]
         with pytest.raises(AssertionError):
             _assert_same(_logged_losses(first, without), full)

@@ -24,6 +24,9 @@ environment:
   the batch's first backward, a whole batch before its sender's step;
 - MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0=1: `torch.cuda.empty_cache()` after every
   forward and backward of the first stage, as an allocator retry would anywhere in a batch;
+- MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME=1: a checkpoint whose files hold a stash but
+  whose megatron_async.json is gone resumes as it did, with both weight versions equal
+  (the resume tests' negative controls: a resume without our state must differ);
 - MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE=N: the process exits (code 9, as if killed) right after
   Megatron's save of iteration N returned, tracker written, before anything of ours that
   follows it (tests/test_stash_save.py: a node lost there);
@@ -89,7 +92,17 @@ def _old_load_exit() -> None:
     import dataclasses
     import functools
 
-    from megatron_async.megatron_lm import hooks
+    from megatron_async.megatron_lm import checkpoint, hooks
+
+    read_args = checkpoint.saved_megatron_args
+
+    def unreadable_as_none(directory):  # as it was: a damaged checkpoint passed argument validation
+        try:
+            return read_args(directory)
+        except Exception:  # noqa: BLE001
+            return None
+
+    checkpoint.saved_megatron_args = unreadable_as_none
 
     def passing_exits_through(original):
         wrapped = hooks._load_checkpoint(original)
@@ -203,6 +216,10 @@ if __name__ == "__main__":
         _old_tied_recv()
     if os.environ.get("MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0") == "1":
         _empty_cache_on_stage0()
+    if os.environ.get("MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME") == "1":
+        from megatron_async.megatron_lm import flags
+
+        flags._check_marker_present = lambda args, held: None
     if os.environ.get("MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE"):
         _exit_after_save(int(os.environ["MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE"]))
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":

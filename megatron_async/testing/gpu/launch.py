@@ -107,11 +107,12 @@ def run_with_timeout(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str
 
 
 def torchrun_gpt(args: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
-                 cwd=None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node NPROC -m megatron_async.launch --gpt ARGS` on
-    this node's first NPROC GPUs (Megatron binds rank r to GPU r), NCCL by Megatron's default."""
+                 cwd=None, module: str = "megatron_async.launch") -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node NPROC -m MODULE --gpt ARGS` on this node's first
+    NPROC GPUs (Megatron binds rank r to GPU r), NCCL by Megatron's default. MODULE: the
+    launcher, or megatron_async.testing.step_end_entry for a negative control's switches."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_async.launch", "--gpt", *map(str, args)]
+           "-m", module, "--gpt", *map(str, args)]
     return run_with_timeout(cmd, timeout_s, env=env, cwd=cwd, nproc=nproc)
 
 

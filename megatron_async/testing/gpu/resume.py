@@ -1,6 +1,7 @@
 """The GPU suite's resume check, shared by its 1- and 2-GPU forms: one run straight
 through, one saved at `saved_at` and resumed, and the same checkpoint resumed without
-its marker file (so without the stash and the EF state): the negative control."""
+its marker file (so without the stash and the EF state, as before such a resume was
+refused): the negative control."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ from megatron_async.testing.gpu.compare import finite_losses, max_relative_diffe
 from megatron_async.testing.gpu.launch import DETERMINISTIC_ENV, read_metrics, tail, torchrun_gpt, train_losses
 
 
-def _losses(tmp_path, base: list, nproc: int, timeout_s: float, name: str, extra: list) -> list[float]:
+def _losses(tmp_path, base: list, nproc: int, timeout_s: float, name: str, extra: list,
+            old_markerless: bool = False) -> list[float]:
+    """`old_markerless`: through the test entry that resumes a checkpoint without its marker
+    as before such a resume was refused (with both weight versions equal)."""
     metrics = tmp_path / f"{name}.jsonl"
-    proc = torchrun_gpt(base + extra + ["--metrics-json", metrics], nproc, timeout_s, env=DETERMINISTIC_ENV)
+    env = {**DETERMINISTIC_ENV, **({"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"} if old_markerless else {})}
+    module = "megatron_async.testing.step_end_entry" if old_markerless else "megatron_async.launch"
+    proc = torchrun_gpt(base + extra + ["--metrics-json", metrics], nproc, timeout_s, env=env, module=module)
     assert proc.returncode == 0, f"{name}:\n{tail(proc)}"
     return train_losses(read_metrics(metrics))
 
@@ -24,7 +30,7 @@ def resume_against_uninterrupted(tmp_path, base: list, nproc: int, iters: int, s
     after the first part's), and the largest relative differences from `full`."""
     from megatron_async.megatron_lm.checkpoint import MARKER
 
-    run = lambda name, extra: _losses(tmp_path, base, nproc, timeout_s, name, extra)  # noqa: E731
+    run = lambda name, extra, **kw: _losses(tmp_path, base, nproc, timeout_s, name, extra, **kw)  # noqa: E731
     full = finite_losses(run("full", []), iters)
     ckpt, bare = tmp_path / "ckpt", tmp_path / "ckpt_without_marker"
     first = run("first", ["--save", ckpt, "--save-interval", saved_at, "--exit-interval", saved_at])
@@ -33,7 +39,7 @@ def resume_against_uninterrupted(tmp_path, base: list, nproc: int, iters: int, s
     shutil.copytree(ckpt, bare)
     (bare / f"iter_{saved_at:07d}" / MARKER).unlink()
     resumed = finite_losses(first + run("resumed", ["--load", ckpt]), iters)
-    without = finite_losses(first + run("without_marker", ["--load", bare]), iters)
+    without = finite_losses(first + run("without_marker", ["--load", bare], old_markerless=True), iters)
     return dict(full=full, resumed=resumed, without_marker=without,
                 max_rel_difference=max_relative_difference(resumed, full),
                 control_without_marker=max_relative_difference(without, full))
