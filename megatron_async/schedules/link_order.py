@@ -206,19 +206,15 @@ def _steps_before(acts) -> list[int]:
     return out
 
 
-def check_blocking_rendezvous(schedule: Schedule, step_end_barrier: bool = False) -> None:
-    """Run every stage's list in order, each send or receive blocking until the peer
-    stands at its counterpart on the same link (no buffering, one queue per link for
-    both directions); ScheduleError naming every stage's blocked operation if stuck.
-    `step_end_barrier`: every StepEnd(t) is an all-rank barrier (Megatron's step-end
-    collectives), passed when all stages stand at it."""
-    placement = placement_of(schedule)
+def _replay(schedule: Schedule, step_end_barrier: bool, advance) -> tuple[list, list]:
+    """Run every stage's list in order, compute skipped (it never blocks): stage s passes its
+    next transfer `a` when `advance(s, a, current, ptr)` says so (it may move the peer too).
+    With `step_end_barrier` every StepEnd(t) is an all-rank barrier, passed when all stages
+    stand at it. Returns the lists and where each stage stopped."""
     lists = [list(acts) for acts in schedule]
     ptr = [0] * len(lists)
 
     def current(s: int):
-        """Stage s's next communication action (or StepEnd with the barrier), compute
-        skipped (it never blocks)."""
         while ptr[s] < len(lists[s]) and not (_transfer(lists[s][ptr[s]])
                                               or (step_end_barrier and isinstance(lists[s][ptr[s]], StepEnd))):
             ptr[s] += 1
@@ -237,12 +233,29 @@ def check_blocking_rendezvous(schedule: Schedule, step_end_barrier: bool = False
             while (a := current(s)) is not None and not isinstance(a, StepEnd):
                 if not 0 <= a.peer < len(lists):
                     raise ScheduleError(f"stage {s}, action {ptr[s]} ({a!r}): no stage {a.peer}")
-                b = current(a.peer)
-                if b is None or not _counterparts(a, s, b, a.peer, placement):
+                if not advance(s, a, current, ptr):
                     break
                 ptr[s] += 1
-                ptr[a.peer] += 1
                 moved = True
+    return lists, ptr
+
+
+def check_blocking_rendezvous(schedule: Schedule, step_end_barrier: bool = False) -> None:
+    """Run every stage's list in order, each send or receive blocking until the peer
+    stands at its counterpart on the same link (no buffering, one queue per link for
+    both directions); ScheduleError naming every stage's blocked operation if stuck.
+    `step_end_barrier`: every StepEnd(t) is an all-rank barrier (Megatron's step-end
+    collectives), passed when all stages stand at it."""
+    placement = placement_of(schedule)
+
+    def meet(s, a, current, ptr) -> bool:
+        b = current(a.peer)
+        if b is None or not _counterparts(a, s, b, a.peer, placement):
+            return False
+        ptr[a.peer] += 1
+        return True
+
+    lists, ptr = _replay(schedule, step_end_barrier, meet)
     blocked = [s for s in range(len(lists)) if ptr[s] < len(lists[s])]
     if blocked:
         def state(s: int) -> str:
@@ -264,39 +277,22 @@ def check_posted_receives(schedule: Schedule, step_end_barrier: bool = False) ->
     stuck, or a link whose next posted send is not the receive's counterpart.
     `step_end_barrier`: every StepEnd(t) is an all-rank barrier."""
     placement = placement_of(schedule)
-    lists = [list(acts) for acts in schedule]
-    ptr = [0] * len(lists)
     queued: dict = {}  # (link, direction) -> sends posted and not yet received, in order
 
-    def current(s: int):
-        while ptr[s] < len(lists[s]) and not (_transfer(lists[s][ptr[s]])
-                                              or (step_end_barrier and isinstance(lists[s][ptr[s]], StepEnd))):
-            ptr[s] += 1
-        return lists[s][ptr[s]] if ptr[s] < len(lists[s]) else None
+    def post_or_receive(s, a, _current, _ptr) -> bool:
+        if _sends(a):
+            queued.setdefault((_link(s, a), s), []).append(a)
+            return True
+        waiting = queued.get((_link(s, a), a.peer), [])
+        if not waiting:
+            return False
+        if not _counterparts(a, s, waiting[0], a.peer, placement):
+            raise ScheduleError(f"stage {s} receives {a!r} but the next send stage {a.peer} posted on that link "
+                                f"is {waiting[0]!r}: a link matches in posting order")
+        waiting.pop(0)
+        return True
 
-    moved = True
-    while moved:
-        moved = False
-        if step_end_barrier:
-            at = [current(s) for s in range(len(lists))]
-            if at and all(isinstance(a, StepEnd) and a == at[0] for a in at):
-                for s in range(len(lists)):
-                    ptr[s] += 1
-                moved = True
-        for s in range(len(lists)):
-            while (a := current(s)) is not None and not isinstance(a, StepEnd):
-                if _sends(a):
-                    queued.setdefault((_link(s, a), s), []).append(a)
-                else:
-                    waiting = queued.get((_link(s, a), a.peer), [])
-                    if not waiting:
-                        break
-                    if not _counterparts(a, s, waiting[0], a.peer, placement):
-                        raise ScheduleError(f"stage {s} receives {a!r} but the next send stage {a.peer} posted on "
-                                            f"that link is {waiting[0]!r}: a link matches in posting order")
-                    waiting.pop(0)
-                ptr[s] += 1
-                moved = True
+    lists, ptr = _replay(schedule, step_end_barrier, post_or_receive)
     blocked = [s for s in range(len(lists)) if ptr[s] < len(lists[s])]
     if blocked:
         raise ScheduleError("deadlock with every receive waited on where it is posted: " + "; ".join(
