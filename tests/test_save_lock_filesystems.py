@@ -82,7 +82,7 @@ def test_a_forked_child_does_not_keep_the_holders_lock(tmp_path):
 
 SLOW_HOLDER = textwrap.dedent("""
     import fcntl, json, os, sys, time
-    save, release_after = sys.argv[1], float(sys.argv[2])
+    save = sys.argv[1]
     fd = os.open(os.path.join(save, ".megatron_async_writer"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.pwrite(fd, json.dumps({"job": "run-1 (Slurm job 77)", "host": "node-that-died", "pid": 1,
@@ -90,26 +90,32 @@ SLOW_HOLDER = textwrap.dedent("""
     past = time.time() - 100  # a dead node's record: untouched since it died
     os.utime(os.path.join(save, ".megatron_async_writer"), (past, past))
     print("held", flush=True)
-    time.sleep(release_after)
+    sys.stdin.readline()  # the lease expires when the test says so
 """)
 
 
 def test_a_requeue_of_the_same_slurm_job_waits_for_its_earlier_runs_lock(tmp_path):
-    for slurm, expect in (("77", "taken"), ("78", "another live job")):
+    for slurm in ("77", "78"):
         save = tmp_path / f"job{slurm}"
         save.mkdir()
-        holder = subprocess.Popen([sys.executable, "-c", SLOW_HOLDER, str(save), "3"], stdout=subprocess.PIPE,
-                                  text=True)
+        holder = subprocess.Popen([sys.executable, "-c", SLOW_HOLDER, str(save)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
         assert holder.stdout.readline().strip() == "held"
-        start = time.monotonic()
-        taker = _python(TAKER, save, env={"SLURM_JOB_ID": slurm, save_lock.WAIT_ENV: "20"})
-        took = time.monotonic() - start
-        holder.wait(timeout=30)
-        assert expect in taker.stdout, (slurm, taker.stdout, taker.stderr[-2000:])
+        taker = subprocess.Popen([sys.executable, "-c", TAKER, str(save)], stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "SLURM_JOB_ID": slurm, save_lock.WAIT_ENV: "60"})
+        try:
+            first = taker.stdout.readline()  # waiting, or refused at once while the lock is still held
+            holder.communicate("\n", timeout=30)
+            rest = taker.communicate(timeout=60)[0]
+        finally:
+            for proc in (holder, taker):
+                if proc.poll() is None:
+                    proc.kill()
         if slurm == "77":
-            assert took >= 1.5 and "an earlier run of this Slurm job on host node-that-died" in taker.stdout
+            assert "an earlier run of this Slurm job on host node-that-died" in first, first
+            assert rest.strip() == "taken", rest
         else:
-            assert took < 1.5, took
+            assert "another live job" in first, first
 
 
 def _agreement_entry(rank, world_size, save, other_on_rank1):
