@@ -3,8 +3,8 @@ sends left at exit.
 
 On NCCL a send larger than its buffer (a real activation) runs on the GPU until its
 receiver posts, and `torch.cuda.synchronize` / `empty_cache` wait for it. The CPU
-emulation waits the same way (megatron_async/cpu.py, `_wait_for_sends`), failing with
-UnreceivedSendError where NCCL would hang. Megatron waits on the device at step ends
+emulation waits the same way (megatron_async/cpu_nccl.py, `EmulatedNccl.wait_all`),
+failing with UnreceivedSendError where NCCL would hang. Megatron waits on the device at step ends
 with `--gpu-sniff-test-interval` (between all-rank collectives), `--train-sync-interval`
 and `--empty-unused-memory-level` (both followed by an evaluation's all-rank timer
 barrier). Each of them runs under 2bw in Megatron's loop at PP=2, and each hangs the
