@@ -3,8 +3,9 @@
     python -m megatron_async.check_flags --world-size 32 [--cpu-flags] -- ARGS...
 
 Runs what the launcher runs first, Megatron's argument parser and `validate_args`
-with the plugin installed (our flags and refusals, the data checks), under
-WORLD_SIZE=N, and prints `ok` or the one-line refusal
+with the plugin installed (our flags and refusals, the data checks), with
+--cpu-flags also the model's TransformerConfig (whose checks include the pipeline
+split), under WORLD_SIZE=N, and prints `ok` or the one-line refusal
 (exit 2). No process group is created and no model is built, so it runs on a login
 node or in CI for a cluster-sized command line (examples/slurm dry runs).
 Where CUDA is absent the CPU emulation answers Megatron's device queries; the
@@ -31,7 +32,12 @@ def parse(argv: list[str], world: int, cpu_flags: bool = False):
     sys.argv = ["megatron_async.megatron_lm.gpt", *(with_cpu_flags(list(argv)) if cpu_flags else argv)]
     # parse_and_validate_args without its last step (building the tokenizer and the
     # global state): the tokenizer of a cluster job may not be on this machine
-    return arguments.validate_args(arguments.parse_args(), {"tokenizer_type": "NullTokenizer"})
+    args = arguments.validate_args(arguments.parse_args(), {"tokenizer_type": "NullTokenizer"})
+    if cpu_flags:  # a command line for this machine: the model's configuration too, as the model
+        # provider builds it (no model), whose checks include an uneven pipeline split that does
+        # not add up; a cluster's command line may ask for kernels (TE's) this machine lacks
+        arguments.core_transformer_config_from_args(args)
+    return args
 
 
 def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
