@@ -135,8 +135,8 @@ class EmulatedNccl:
 
     # --- what is posted ---------------------------------------------------------
     def track(self, work, kind: str, peer, size: int, group) -> Any:
-        if work is None or type(work).__name__ == "_IllegalWork":  # inside a coalescing manager: its work is the batch's
-            return work
+        if work is None or type(work).__name__ == "_IllegalWork":  # inside a coalescing manager:
+            return work  # the coalesced batch's own work is what completes
         name = group_name(group)
         if name in self.host_groups:
             return work

@@ -52,7 +52,8 @@ def test_smollm_360m_shape_balances_within_one_percent():
 
 def test_flags_for_each_kind_of_split():
     assert megatron_flags((4, 4, 4)) == []
-    assert megatron_flags((5, 3)) == ["--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "3"]
+    assert megatron_flags((5, 3)) == ["--decoder-first-pipeline-num-layers", "5",
+                                      "--decoder-last-pipeline-num-layers", "3"]
     assert megatron_flags((3, 4, 4, 2)) == ["--decoder-first-pipeline-num-layers", "3",
                                             "--decoder-last-pipeline-num-layers", "2"]
     assert megatron_flags((3, 4, 5, 2)) == ["--pipeline-model-parallel-layout", "Et*3|t*4|t*5|t*2L"]
@@ -93,3 +94,35 @@ def test_megatron_accepts_the_flags_it_prints(tmp_path):
             assert not found[name]["refused"], (name, splits[name].layers, found[name]["error"])
     assert any("--decoder-last-pipeline-num-layers" in " ".join(c["argv"]) for c in cases.values())
     assert "--pipeline-model-parallel-layout" in cases["PP=4, layout"]["argv"], splits["PP=4, layout"]
+
+
+def test_the_layers_each_stage_holds_under_megatrons_flags():
+    from megatron_async.planning.balance import layers_per_stage
+
+    assert layers_per_stage(12, 4) == [3, 3, 3, 3]
+    assert layers_per_stage(11, 4, last=2) == [3, 3, 3, 2]
+    assert layers_per_stage(10, 4, first=1, last=3) == [1, 3, 3, 3]
+    assert layers_per_stage(11, 4, layout="Et*2|t*4|t*4|tL") == [2, 4, 4, 1]
+
+
+def test_the_memory_plan_is_made_for_the_split_the_run_uses(tmp_path):
+    """megatron-async-plan under first/last counts and under a layout: each stage is built
+    with its own layers (a stage between, with no embedding or output layer, holds
+    parameters in proportion to its layers)."""
+    import json
+    import subprocess
+    import sys
+
+    def stages(name, flags):
+        out = tmp_path / f"{name}.json"
+        argv = BASE + ["--num-layers", "11", "--pipeline-model-parallel-size", "4", "--global-batch-size", "16",
+                       "--transformer-impl", "local", "--use-cpu-initialization", *flags]
+        proc = subprocess.run([sys.executable, "-m", "megatron_async.planning.plan", "--world-size", "4",
+                               "--json", str(out), "--", *argv], capture_output=True, text=True, timeout=300)
+        assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads(out.read_text())["stages"]
+
+    counted = stages("counts", megatron_flags((3, 3, 3, 2)))
+    laid_out = stages("layout", megatron_flags((2, 4, 4, 1)))
+    assert [s["layers"] for s in counted] == [3, 3, 3, 2] and [s["layers"] for s in laid_out] == [2, 4, 4, 1]
+    assert laid_out[1]["stage_params"] * 3 == counted[1]["stage_params"] * 4

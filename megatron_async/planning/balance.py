@@ -138,3 +138,29 @@ def megatron_flags(layers: Sequence[int], mtp: bool = False) -> list[str]:
     stages[0] = "E" + stages[0]
     stages[-1] = stages[-1] + "L"
     return ["--pipeline-model-parallel-layout", "|".join(stages)]
+
+
+def layers_per_stage(num_layers: int, stages: int, first: int | None = None, last: int | None = None,
+                     layout: str | None = None) -> list[int]:
+    """The transformer layers each stage holds under Megatron's flags (--pipeline-model-parallel-
+    layout, read by Megatron's own parser; --decoder-first/last-pipeline-num-layers; else its
+    even split), for plans made before any process group exists."""
+    if layout:
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        rows = PipelineParallelLayerLayout.parse_str_to_list(layout)
+        if len(rows) != stages:
+            raise ValueError(f"--pipeline-model-parallel-layout {layout!r} has {len(rows)} stages, not {stages} "
+                             "(virtual stages are not planned)")
+        return [sum(1 for kind in row if kind == LayerType.decoder) for row in rows]
+    counts: list = [None] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    rest = [s for s in range(stages) if counts[s] is None]
+    left = num_layers - sum(c for c in counts if c is not None)
+    for s in rest:
+        counts[s] = left // len(rest)
+    return counts

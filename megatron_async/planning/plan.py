@@ -57,6 +57,14 @@ def _build_stage(config, args, layers: int, first: bool, last: bool):
 
     stage_config = copy.copy(config)
     stage_config.num_layers = layers
+    # one stage built alone with exactly `layers` layers: no split of Megatron's to apply again
+    for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                 "pipeline_model_parallel_layout"):
+        if hasattr(stage_config, name):
+            setattr(stage_config, name, None)
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if hasattr(stage_config, name):
+            setattr(stage_config, name, False)
     for name in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size"):
         setattr(stage_config, name, 1)
@@ -138,7 +146,11 @@ def plan(args) -> list[dict]:
     p, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size
     dp = args.data_parallel_size
     expert_dp = max(dp * tp // (ep * (args.expert_tensor_parallel_size or tp)), 1)
-    per_stage = args.num_layers // p
+    from megatron_async.planning.balance import layers_per_stage
+
+    per_stage = layers_per_stage(args.num_layers, p, getattr(args, "decoder_first_pipeline_num_layers", None),
+                                 getattr(args, "decoder_last_pipeline_num_layers", None),
+                                 getattr(args, "pipeline_model_parallel_layout", None))
     grad_bytes = 4 if args.accumulate_allreduce_grads_in_fp32 else 2
     moments = 4 if "muon" in args.optimizer else 8
     two_bw = args.pipeline_schedule == "2bw"
@@ -150,7 +162,7 @@ def plan(args) -> list[dict]:
     rows = []
     for stage in range(p):
         first, last = stage == 0, stage == p - 1
-        counts = _counts(_build_stage(config, args, per_stage, first, last))
+        counts = _counts(_build_stage(config, args, per_stage[stage], first, last))
         gpu_dense = counts["dense"] / tp
         gpu_expert = counts["expert"] / (ep * (args.expert_tensor_parallel_size or tp))
         gpu = gpu_dense + gpu_expert
@@ -161,14 +173,15 @@ def plan(args) -> list[dict]:
             "gradients": grad_bytes * gpu,
             "optimizer": (4 + moments) * sharded,
             "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
-            "activations": _activation_bytes(args, stage, per_stage, last),
+            "activations": _activation_bytes(args, stage, per_stage[stage], last),
             "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
             "tied_link": tied_link_bytes(args, first, last, grad_bytes) if two_bw else 0,
         }
         save_gpu, save_host = 0, memory["stash"]  # state_dict() streams every stash slot to the host
         total = sum(memory.values())
         tied_copy = args.padded_vocab_size * args.hidden_size if tied and last and not first else 0
-        rows.append({"stage": stage, "stage_params": counts["dense"] + counts["expert"],
+        rows.append({"stage": stage, "layers": per_stage[stage],
+                     "stage_params": counts["dense"] + counts["expert"],
                      "stage_expert_params": counts["expert"], "gpu_params": gpu,
                      "tied_copy_params": tied_copy,  # the last stage's copy of the tied embeddings
                      "memory_gb": {k: v / 2**30 for k, v in memory.items()},
