@@ -164,3 +164,22 @@ def layers_per_stage(num_layers: int, stages: int, first: int | None = None, las
     for s in rest:
         counts[s] = left // len(rest)
     return counts
+
+
+def layer_flops_per_token(layer_params: int, hidden: int, seq_length: int) -> float:
+    """Forward FLOPs a transformer layer spends on one token: 2 per weight it applies (the
+    parameters of one layer, the routed experts' share for MoE) plus causal attention's
+    scores and weighted sum, 2 x seq x hidden."""
+    return 2.0 * layer_params + 2.0 * seq_length * hidden
+
+
+def planned_split(args, layer_params: int, active_layer_params: int) -> Split:
+    """The best split of this run's layers over its pipeline stages, from the forward FLOPs
+    per token (backward is twice as much everywhere, so the ratio is the same): each layer;
+    the output layer and loss (2 x hidden x vocabulary) on the last stage, with each
+    multi-token-prediction layer and its own output layer; the embedding's lookup is free."""
+    layer = layer_flops_per_token(active_layer_params, args.hidden_size, args.seq_length)
+    head = 2.0 * args.hidden_size * args.padded_vocab_size
+    mtp = (args.mtp_num_layers or 0) * (layer + head)
+    return best_split([layer] * args.num_layers, args.pipeline_model_parallel_size, last_extra=head + mtp,
+                      first_and_last_only=bool(args.mtp_num_layers))

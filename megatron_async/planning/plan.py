@@ -123,26 +123,41 @@ def tied_link_bytes(args, first: bool, last: bool, grad_bytes: int) -> int:
     return grad_bytes * shard if first else (grad_bytes + 2) * shard
 
 
-def plan(args) -> list[dict]:
-    """One row per pipeline stage: parameters of the stage and of one GPU, memory in GB."""
+def _plan_config(args):
+    """(args, Megatron's TransformerConfig) for building stages on the meta device: Megatron-Core's
+    local layer spec (same parameters as Transformer Engine's); fused kernels change no
+    parameter and need CUDA, so they are off here."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_async.testing.parallel import init_model_parallel
-    from megatron_async.planning.p2p import activation_tensor_bytes, stage_peaks, stage_peaks_on_completion
 
     import torch.distributed as dist
 
     if not dist.is_initialized():  # one process stands for a rank of each stage in turn
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     init_model_parallel(1, 1, 1, seed=args.seed)
-    # The plan builds Megatron-Core's local layer spec (same parameters as Transformer
-    # Engine's); fused kernels change no parameter and need CUDA, so they are off here.
     args = copy.copy(args)
     for name in ("apply_rope_fusion", "masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion",
                  "bias_dropout_fusion", "gradient_accumulation_fusion", "persist_layer_norm"):
         setattr(args, name, False)
     args.transformer_impl, args.no_persist_layer_norm = "local", True
-    config = core_transformer_config_from_args(args)
+    return args, core_transformer_config_from_args(args)
+
+
+def one_layer_params(args) -> tuple[int, int]:
+    """(parameters of one transformer layer, those a token goes through: the routed experts' share)."""
+    args, config = _plan_config(args)
+    counts = _counts(_build_stage(config, args, 1, False, False))
+    topk = args.moe_router_topk if args.num_experts else 1
+    routed = counts["expert"] * topk / (args.num_experts or 1)
+    return counts["dense"] + counts["expert"], int(counts["dense"] + routed)
+
+
+def plan(args) -> list[dict]:
+    """One row per pipeline stage: parameters of the stage and of one GPU, memory in GB."""
+    from megatron_async.planning.p2p import activation_tensor_bytes, stage_peaks, stage_peaks_on_completion
+
+    args, config = _plan_config(args)
     p, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size
     dp = args.data_parallel_size
     expert_dp = max(dp * tp // (ep * (args.expert_tensor_parallel_size or tp)), 1)
@@ -211,6 +226,28 @@ def _print_table(rows: list[dict]) -> None:
                   f"post, a balanced pipeline holds {c['sends_on_completion']} sends at once")
 
 
+def _print_balance(args, rows: list[dict]) -> None:
+    """Where the run's split stands against the best split of whole layers, and the flags for that."""
+    from megatron_async.planning.balance import megatron_flags, planned_split, stage_costs
+
+    if len(rows) < 2:
+        return
+    total, active = one_layer_params(args)
+    best = planned_split(args, total, active)
+    used = [r["layers"] for r in rows]
+    per_layer = best.stage_costs[0] / best.layers[0]  # the first stage: its layers alone
+    last_extra = best.stage_costs[-1] - per_layer * best.layers[-1]
+    now = stage_costs(used, [per_layer] * sum(used), last_extra=last_extra)
+    mean = sum(now) / len(now)
+    try:
+        flags = " ".join(megatron_flags(best.layers, bool(args.mtp_num_layers))) or "(Megatron's even split)"
+    except ValueError as err:
+        flags = f"(not expressible: {err})"
+    print(f"stage balance: this split {used} puts the slowest stage {100 * (max(now) / mean - 1):.0f}% above a "
+          f"perfect balance; the best whole-layer split {list(best.layers)} puts it "
+          f"{100 * best.imbalance:.0f}% above: {flags}")
+
+
 def fits_on_gpu(rows: list[dict], gpu_gb: float) -> bool:
     """Every stage fits in `gpu_gb`, during a checkpoint save too (the stash's clone)."""
     return all(r["save_total_gb"] <= gpu_gb for r in rows)
@@ -243,6 +280,7 @@ def main(argv=None) -> int:
           f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
           f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
     _print_table(rows)
+    _print_balance(args, rows)
     from megatron_async.megatron_lm.save_space import bytes_per_parameter
 
     checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (save_space.py)
