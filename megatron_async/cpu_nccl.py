@@ -140,13 +140,12 @@ class EmulatedNccl:
         name = group_name(group)
         if name in self.host_groups:
             return work
-        before = []
-        if self.eager():
-            before = [w for w in self.by_group.get(name, []) if not w._done]
+        eager = self.eager()
+        before = [w for w in self.by_group.get(name, []) if not w._done] if eager else []
         posted = _Posted(work, kind, peer, size, name, before)
         self.posted = [w for w in self.posted if not w._done]
         self.posted.append(posted)
-        if self.eager():
+        if eager:
             self.by_group[name] = before + [posted]
         return posted
 
@@ -190,10 +189,9 @@ class EmulatedNccl:
 
         rank = dist.get_rank()
         name = group_name(group)
-        if peer == rank or getattr(self._local, "batched", 0) or name in self.host_groups or self.eager():
-            return
         pair = (name, min(rank, peer), max(rank, peer))
-        if pair in self.contacts:
+        if (pair in self.contacts or peer == rank or getattr(self._local, "batched", 0)
+                or name in self.host_groups or self.eager()):
             return
         store = dist.distributed_c10d._get_default_store()
         key = f"{STORE_PREFIX}/{name}/{pair[1]}:{pair[2]}"

@@ -173,13 +173,18 @@ def layer_flops_per_token(layer_params: int, hidden: int, seq_length: int) -> fl
     return 2.0 * layer_params + 2.0 * seq_length * hidden
 
 
-def planned_split(args, layer_params: int, active_layer_params: int) -> Split:
-    """The best split of this run's layers over its pipeline stages, from the forward FLOPs
-    per token (backward is twice as much everywhere, so the ratio is the same): each layer;
-    the output layer and loss (2 x hidden x vocabulary) on the last stage, with each
-    multi-token-prediction layer and its own output layer; the embedding's lookup is free."""
+def cost_model(args, active_layer_params: int) -> tuple[float, float]:
+    """(a layer's, the last stage's own) forward FLOPs a token (backward is twice as much
+    everywhere, so the ratios are the same): the output layer and loss (2 x hidden x
+    vocabulary), with each multi-token-prediction layer and its own output layer; the
+    embedding's lookup is free."""
     layer = layer_flops_per_token(active_layer_params, args.hidden_size, args.seq_length)
     head = 2.0 * args.hidden_size * args.padded_vocab_size
-    mtp = (args.mtp_num_layers or 0) * (layer + head)
-    return best_split([layer] * args.num_layers, args.pipeline_model_parallel_size, last_extra=head + mtp,
+    return layer, head + (args.mtp_num_layers or 0) * (layer + head)
+
+
+def planned_split(args, active_layer_params: int) -> Split:
+    """The best split of this run's layers over its pipeline stages under `cost_model`."""
+    layer, last_extra = cost_model(args, active_layer_params)
+    return best_split([layer] * args.num_layers, args.pipeline_model_parallel_size, last_extra=last_extra,
                       first_and_last_only=bool(args.mtp_num_layers))

@@ -144,13 +144,12 @@ def _plan_config(args):
     return args, core_transformer_config_from_args(args)
 
 
-def one_layer_params(args) -> tuple[int, int]:
-    """(parameters of one transformer layer, those a token goes through: the routed experts' share)."""
+def active_layer_params(args) -> int:
+    """The parameters of one transformer layer a token goes through (the routed experts' share)."""
     args, config = _plan_config(args)
     counts = _counts(_build_stage(config, args, 1, False, False))
     topk = args.moe_router_topk if args.num_experts else 1
-    routed = counts["expert"] * topk / (args.num_experts or 1)
-    return counts["dense"] + counts["expert"], int(counts["dense"] + routed)
+    return int(counts["dense"] + counts["expert"] * topk / (args.num_experts or 1))
 
 
 def plan(args) -> list[dict]:
@@ -228,16 +227,15 @@ def _print_table(rows: list[dict]) -> None:
 
 def _print_balance(args, rows: list[dict]) -> None:
     """Where the run's split stands against the best split of whole layers, and the flags for that."""
-    from megatron_async.planning.balance import megatron_flags, planned_split, stage_costs
+    from megatron_async.planning.balance import cost_model, megatron_flags, planned_split, stage_costs
 
     if len(rows) < 2:
         return
-    total, active = one_layer_params(args)
-    best = planned_split(args, total, active)
+    active = active_layer_params(args)
+    best = planned_split(args, active)
     used = [r["layers"] for r in rows]
-    per_layer = best.stage_costs[0] / best.layers[0]  # the first stage: its layers alone
-    last_extra = best.stage_costs[-1] - per_layer * best.layers[-1]
-    now = stage_costs(used, [per_layer] * sum(used), last_extra=last_extra)
+    layer, last_extra = cost_model(args, active)
+    now = stage_costs(used, [layer] * sum(used), last_extra=last_extra)
     mean = sum(now) / len(now)
     try:
         flags = " ".join(megatron_flags(best.layers, bool(args.mtp_num_layers))) or "(Megatron's even split)"
