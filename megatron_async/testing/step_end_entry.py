@@ -92,17 +92,7 @@ def _old_load_exit() -> None:
     import dataclasses
     import functools
 
-    from megatron_async.megatron_lm import checkpoint, hooks
-
-    read_args = checkpoint.saved_megatron_args
-
-    def unreadable_as_none(directory):  # as it was: a damaged checkpoint passed argument validation
-        try:
-            return read_args(directory)
-        except Exception:  # noqa: BLE001
-            return None
-
-    checkpoint.saved_megatron_args = unreadable_as_none
+    from megatron_async.megatron_lm import hooks
 
     def passing_exits_through(original):
         wrapped = hooks._load_checkpoint(original)
