@@ -37,12 +37,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def record(request):
-    """record(**fields): this case's numbers, written with its outcome and wall time."""
+    """record(**fields): this case's numbers, written with its outcome and wall time.
+
+    The report is rewritten after every case, so a run stopped from outside (a device
+    lease's limit) still leaves the cases it finished.
+    """
     entry = {"case": request.node.name, "device": "cuda" if _cuda() else "cpu (dry run)"}
     start = time.perf_counter()
     yield entry.update
     entry["wall_s"] = round(time.perf_counter() - start, 1)
+    entry["outcome"] = dict(request.node.user_properties).get("outcome")
     _RESULTS.append(entry)
+    folder = Path(os.environ.get("MEGATRON_ASYNC_GPU_REPORT", "out/gpu"))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ranks.json").write_text(json.dumps(_RESULTS, indent=1))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -52,13 +60,3 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call":
         item.user_properties.append(("outcome", report.outcome))
 
-
-def pytest_sessionfinish(session, exitstatus):
-    if not _RESULTS:
-        return
-    folder = Path(os.environ.get("MEGATRON_ASYNC_GPU_REPORT", "out/gpu"))
-    folder.mkdir(parents=True, exist_ok=True)
-    outcomes = {item.name: dict(item.user_properties).get("outcome") for item in session.items}
-    for entry in _RESULTS:
-        entry["outcome"] = outcomes.get(entry["case"])
-    (folder / "ranks.json").write_text(json.dumps(_RESULTS, indent=1))
