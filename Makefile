@@ -60,8 +60,12 @@ test-gpu:
 
 # 2bw's multi-rank paths on real NCCL, 2 and 4 ranks sharing one GPU (a distinct NCCL_HOSTID
 # each): tests/gpu_ranks. Skips without CUDA; the -dry target runs the same jobs on the CPU.
+# GPU_RANKS_WORKERS cases run at once (pytest-xdist, where GPU_PYTHON has it): the jobs are
+# small, and one at a time they outlast a device lease.
+GPU_RANKS_WORKERS ?= 4
 test-gpu-ranks:
-	MEGATRON_ASYNC_GPU_REPORT=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -q tests/gpu_ranks $(PYTEST_ARGS)
+	MEGATRON_ASYNC_GPU_REPORT=$(GPU_REPORT) $(GPU_PYTHON) -m pytest -q tests/gpu_ranks \
+		$$($(GPU_PYTHON) -c 'import xdist' 2>/dev/null && printf -- '-n %s --dist load' $(GPU_RANKS_WORKERS)) $(PYTEST_ARGS)
 
 test-gpu-ranks-dry: setup
 	MEGATRON_ASYNC_GPU_RANKS_DRY_RUN=1 MEGATRON_ASYNC_GPU_REPORT=out/gpu-dry $(PY) -m pytest -q tests/gpu_ranks $(PYTEST_ARGS)

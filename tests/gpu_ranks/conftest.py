@@ -8,15 +8,17 @@ time go to $MEGATRON_ASYNC_GPU_REPORT/ranks.json (default out/gpu), for docs/ben
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 DRY_RUN_ENV = "MEGATRON_ASYNC_GPU_RANKS_DRY_RUN"
-_RESULTS: list = []
 
 
 def _cuda() -> bool:
@@ -35,22 +37,66 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU (or {DRY_RUN_ENV}=1 for the CPU dry run)"))
 
 
-@pytest.fixture
-def record(request):
-    """record(**fields): this case's numbers, written with its outcome and wall time.
+class Record:
+    """record(**fields) adds this case's numbers; record.launch(name, proc) adds one torchrun
+    launch's wall time and where it went (Megatron's start-up lines, the first iterations)."""
 
-    The report is rewritten after every case, so a run stopped from outside (a device
-    lease's limit) still leaves the cases it finished.
-    """
-    entry = {"case": request.node.name, "device": "cuda" if _cuda() else "cpu (dry run)"}
-    start = time.perf_counter()
-    yield entry.update
-    entry["wall_s"] = round(time.perf_counter() - start, 1)
-    entry["outcome"] = dict(request.node.user_properties).get("outcome")
-    _RESULTS.append(entry)
+    def __init__(self, entry: dict):
+        self.entry = entry
+
+    def __call__(self, **fields):
+        self.entry.update(fields)
+
+    def launch(self, name: str, proc) -> None:
+        self.entry.setdefault("launches", []).append({"job": name, "wall_s": round(proc.wall_s, 1),
+                                                      **launch_phases(proc.stdout or "", proc.started)})
+
+
+STAMPS = {"megatron_initialized_s": "after megatron is initialized",
+          "model_built_s": "after model, optimizer, and learning rate scheduler are built",
+          "training_started_s": "before the start of training step",
+          "training_done_s": "after training is done"}
+
+
+def launch_phases(text: str, started: float) -> dict:
+    """Where a launch's time went: seconds from its start (epoch `started`) to Megatron's
+    own datetime lines, and its first iterations' times (ms)."""
+    phases = {}
+    for key, label in STAMPS.items():
+        stamp = re.search(re.escape(f"[{label}] datetime: ") + r"([0-9: .-]+[0-9])", text)
+        if stamp:
+            phases[key] = round(datetime.fromisoformat(stamp.group(1)).timestamp() - started, 1)
+    phases["iteration_ms"] = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)][:4]
+    return phases
+
+
+def _report(entry: dict) -> None:
+    """Adds `entry` to ranks.json under a lock: pytest-xdist workers share the file."""
     folder = Path(os.environ.get("MEGATRON_ASYNC_GPU_REPORT", "out/gpu"))
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "ranks.json").write_text(json.dumps(_RESULTS, indent=1))
+    with open(folder / "ranks.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = folder / "ranks.json"
+        entries = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(entries + [entry], indent=1))
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller, once: a fresh report
+        path = Path(os.environ.get("MEGATRON_ASYNC_GPU_REPORT", "out/gpu")) / "ranks.json"
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def record(request):
+    """This case's Record; the report is rewritten after every case, so a run stopped from
+    outside (a device lease's limit) still leaves the cases it finished."""
+    entry = {"case": request.node.name, "device": "cuda" if _cuda() else "cpu (dry run)"}
+    start = time.perf_counter()
+    yield Record(entry)
+    entry["wall_s"] = round(time.perf_counter() - start, 1)
+    entry["outcome"] = dict(request.node.user_properties).get("outcome")
+    _report(entry)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,17 +52,19 @@ def _command(nproc: int, args: list) -> list:
             "-m", "megatron_async.testing.gpu.shared_gpu_entry", "--gpt", *map(str, args)]
 
 
-def _job(case: str, nproc: int, args: list, timeout_s: float = TIMEOUT_S, env: dict | None = None):
+def _job(record, case: str, nproc: int, args: list, timeout_s: float = TIMEOUT_S, env: dict | None = None):
     cmd = _command(nproc, args)
     try:
-        return run_with_timeout(cmd, timeout_s, env={**ENV, **(env or {})}, nproc=nproc)
+        proc = run_with_timeout(cmd, timeout_s, env={**ENV, **(env or {})}, nproc=nproc)
     except TimeoutError as err:
         raise TimeoutError(f"case {case!r}: {err}") from None
+    record.launch(case, proc)
+    return proc
 
 
-def _losses(tmp_path, case: str, nproc: int, args: list) -> list[float]:
+def _losses(record, tmp_path, case: str, nproc: int, args: list) -> list[float]:
     metrics = tmp_path / f"{case.replace(' ', '_')}.jsonl"
-    proc = _job(case, nproc, args + ["--metrics-json", metrics])
+    proc = _job(record, case, nproc, args + ["--metrics-json", metrics])
     assert proc.returncode == 0, f"case {case!r}:\n{tail(proc)}"
     return finite_losses(train_losses(read_metrics(metrics)), ITERS)
 
@@ -76,13 +79,13 @@ PAIRS = {  # case: (model flags, stages)
 @pytest.mark.parametrize("case", list(PAIRS))
 def test_2bw_equals_its_simulated_twin(tmp_path, case, record):
     model, stages = PAIRS[case]
-    twin = _losses(tmp_path, f"{case} twin", 1, model + simulated_twin(stages))
-    pipelined = _losses(tmp_path, case, stages, model + two_bw(stages))
+    twin = _losses(record, tmp_path, f"{case} twin", 1, model + simulated_twin(stages))
+    pipelined = _losses(record, tmp_path, case, stages, model + two_bw(stages))
     difference = max_relative_difference(pipelined, twin)
     record(tolerance=LOSS_RTOL, max_rel_difference=difference, twin=twin, two_bw=pipelined)
     assert difference <= LOSS_RTOL, f"case {case!r}: 2bw differs from its twin by {difference:.2e}"
     if case == "PP=2 untied":  # the control: another algorithm is further than the tolerance
-        sync = _losses(tmp_path, "synchronous PP=1", 1, model)
+        sync = _losses(record, tmp_path, "synchronous PP=1", 1, model)
         control = max_relative_difference(pipelined, sync)
         record(control_vs_synchronous=control)
         assert control > LOSS_RTOL, f"synchronous training is within {LOSS_RTOL} of 2bw ({control:.2e}): no power"
@@ -103,7 +106,7 @@ LAYOUTS = {  # case: (ranks, flags)
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_2bw_layouts_train(tmp_path, case, record):
     nproc, args = LAYOUTS[case]
-    losses = _losses(tmp_path, case, nproc, args)
+    losses = _losses(record, tmp_path, case, nproc, args)
     record(losses=losses)
 
 
@@ -111,10 +114,11 @@ def _losses_by_iteration(path) -> dict:
     return {r["iteration"]: r["lm_loss"] for r in read_metrics(path) if "lm_loss" in r}
 
 
-def _signalled(case: str, args: list, metrics, log, rank: int, after: int) -> str:
+def _signalled(record, case: str, args: list, metrics, log, rank: int, after: int) -> str:
     """The job in the background; SIGTERM to `rank` alone once `after` iterations are logged.
     Returns its output; fails naming the case past TIMEOUT_S or when it exits otherwise than 0."""
-    deadline = time.monotonic() + TIMEOUT_S
+    started, start = time.time(), time.monotonic()
+    deadline = start + TIMEOUT_S
     with open(log, "w") as out:
         proc = subprocess.Popen(_command(2, args), stdout=out, stderr=subprocess.STDOUT, text=True,
                                 env=subprocess_env(ENV), cwd=ROOT, start_new_session=True)
@@ -133,6 +137,7 @@ def _signalled(case: str, args: list, metrics, log, rank: int, after: int) -> st
             proc.wait()
     text = log.read_text()
     assert proc.returncode == 0, f"case {case!r} exited {proc.returncode}:\n{text[-4000:]}"
+    record.launch(f"{case}, signalled", SimpleNamespace(wall_s=time.monotonic() - start, stdout=text, started=started))
     return text
 
 
@@ -143,16 +148,16 @@ def test_sigterm_to_one_rank_stops_at_an_agreed_iteration_and_resumes(tmp_path, 
                                              "--save-interval", 1000]
     flags[flags.index("--train-iters") + 1] = 1000
     first, second, whole = (tmp_path / f"{n}.jsonl" for n in ("first", "second", "whole"))
-    text = _signalled(case, flags + ["--save", ckpt, "--metrics-json", first], first, tmp_path / "first.log",
+    text = _signalled(record, case, flags + ["--save", ckpt, "--metrics-json", first], first, tmp_path / "first.log",
                       rank=1, after=3)
     stops = re.findall(r"stopping after iteration (\d+), agreed by every rank", text)
     assert len(stops) == 1, f"case {case!r}: no agreed stop:\n{text[-4000:]}"
     stop = int(stops[0])
     end = stop + 3
-    proc = _job(f"{case}, resumed", 2, flags + ["--save", ckpt, "--load", ckpt, "--exit-interval", end,
+    proc = _job(record, f"{case}, resumed", 2, flags + ["--save", ckpt, "--load", ckpt, "--exit-interval", end,
                                                "--metrics-json", second])
     assert proc.returncode == 0, f"case {case!r}, resumed:\n{tail(proc)}"
-    proc = _job(f"{case}, uninterrupted", 2, flags + ["--exit-interval", end, "--metrics-json", whole])
+    proc = _job(record, f"{case}, uninterrupted", 2, flags + ["--exit-interval", end, "--metrics-json", whole])
     assert proc.returncode == 0, f"case {case!r}, uninterrupted:\n{tail(proc)}"
     stopped, resumed, reference = (_losses_by_iteration(p) for p in (first, second, whole))
     joined = {**{i: x for i, x in stopped.items() if i <= stop}, **resumed}
@@ -166,7 +171,7 @@ def test_sigterm_to_one_rank_stops_at_an_agreed_iteration_and_resumes(tmp_path, 
 def test_negative_control_the_old_tied_link_hangs(record):
     switches = {"MEGATRON_ASYNC_TEST_OLD_TIED_CONTACT": "1", "MEGATRON_ASYNC_TEST_OLD_TIED_RECV": "1"}
     try:
-        proc = _job("old tied link", 2, TIED + two_bw(2), timeout_s=HANG_TIMEOUT_S, env=switches)
+        proc = _job(record, "old tied link", 2, TIED + two_bw(2), timeout_s=HANG_TIMEOUT_S, env=switches)
     except TimeoutError:
         record(hung=True)
         return

@@ -85,8 +85,9 @@ def run_with_timeout(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str
                      cwd=None, nproc: int | None = None) -> subprocess.CompletedProcess:
     """Run `cmd` in its own session; past `timeout_s` (or when interrupted) kill the session,
     then raise, naming which of its `nproc` ranks were still running and which had exited.
-    The result carries stdout and stderr together, and the wall time in `.wall_s`."""
-    start = time.perf_counter()
+    The result carries stdout and stderr together, its start (epoch) in `.started` and its
+    wall time in `.wall_s`."""
+    started, start = time.time(), time.perf_counter()
     proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=subprocess_env(env), cwd=cwd or ROOT, start_new_session=True)
     try:
@@ -102,7 +103,7 @@ def run_with_timeout(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str
         proc.wait()
         raise
     result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, None)
-    result.wall_s = time.perf_counter() - start
+    result.started, result.wall_s = started, time.perf_counter() - start
     return result
 
 
