@@ -236,10 +236,23 @@ def test_the_local_cluster_stops_only_what_it_started():
     assert re.search(r'pkill -9 -f "slurmd -f \$CONF"', stop)  # the daemons of this configuration only
 
 
-def test_smollm_360m_plan_names_the_balanced_split(smollm_plan):
-    """From the configuration's own shape (docs/benchmarks.md measured the output layer's stage
-    at 35.2 ms against 23.5 for the others: 33% above the mean at 8 layers a stage)."""
-    _plan, stdout = smollm_plan
-    line = next(x for x in stdout.splitlines() if x.startswith("stage balance:"))
-    assert "this split [8, 8, 8, 8] puts the slowest stage 33% above" in line, line
-    assert "the best whole-layer split [9, 9, 9, 5] puts it 0% above: --decoder-last-pipeline-num-layers 5" in line
+def test_the_examples_run_the_planners_split(smollm_plan, moe_plan, tmp_path):
+    """Both cluster configs carry the split the planner finds best for them, and the plan's
+    memory is for that split (their dry runs above parse it as Megatron does). Control:
+    SmolLM-360M at Megatron's even split is far from balanced, and the planner says so,
+    naming the flag the config carries."""
+    for plan, _ in (smollm_plan, moe_plan):
+        found = plan["balance"]
+        assert found["used"] == found["best"] == [s["layers"] for s in plan["stages"]], found
+        assert found["predicted_gain"] == pytest.approx(1.0)
+    assert smollm_plan[0]["balance"]["best_imbalance"] < 0.02  # 9, 9, 9, 5: within 2% of even
+    out = tmp_path / "even.json"
+    proc = subprocess.run(["bash", "examples/smollm_360m/plan.sh", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=dict(os.environ, PYTHON=sys.executable, EXTRA_ARGS="--decoder-last-pipeline-num-layers 8"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    even = json.loads(out.read_text())["balance"]
+    assert even["used"] == [8, 8, 8, 8] and even["used_imbalance"] > 0.2 and even["predicted_gain"] > 1.2, even
+    assert even["best"] == smollm_plan[0]["balance"]["best"]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("stage balance:"))
+    assert line.endswith(" ".join(even["flags"])) and even["flags"][0] in (REPO / "examples/smollm_360m/flags.sh").read_text()

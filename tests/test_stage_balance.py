@@ -8,6 +8,8 @@
 - Megatron accepts the flags it prints, through its own argument validation with the
   plugin, at PP = 2, 4 and 8 under 2bw, with tied embeddings and with MTP; the negative
   control: flags that do not add up to --num-layers are refused.
+- The cost model's terms each follow the flag that makes them (tied link, step share over
+  m, Muon against Adam, expert all-to-all, an untied output layer's step, MTP).
 """
 
 import itertools
@@ -126,3 +128,48 @@ def test_the_memory_plan_is_made_for_the_split_the_run_uses(tmp_path):
     laid_out = stages("layout", megatron_flags((2, 4, 4, 1)))
     assert [s["layers"] for s in counted] == [3, 3, 3, 2] and [s["layers"] for s in laid_out] == [2, 4, 4, 1]
     assert laid_out[1]["stage_params"] * 3 == counted[1]["stage_params"] * 4
+
+
+def _args(**over):
+    from types import SimpleNamespace
+
+    base = dict(hidden_size=1024, padded_vocab_size=32768, tensor_model_parallel_size=1, data_parallel_size=4,
+                micro_batch_size=2, seq_length=2048, global_batch_size=64, optimizer="muon",
+                expert_model_parallel_size=1, num_experts=None, moe_router_topk=2, pipeline_model_parallel_size=4,
+                untie_embeddings_and_output_weights=False, mtp_num_layers=None, num_layers=16)
+    return SimpleNamespace(**{**base, **over})
+
+
+
+def _layer():
+    from megatron_async.planning.balance import LayerShape
+
+    h, f = 1024, 4096
+    return LayerShape(active_params=4 * h * h + 2 * h * f, matrices=((3 * h, h, False), (h, h, False), (f, h, False),
+                                                                    (h, f, False)),
+                      params=4 * h * h + 2 * h * f, expert_params=0)
+
+
+def test_each_cost_term_follows_the_flag_that_makes_it():
+    """The cost model's terms (planning/balance.cost_model): the tied link only with tied
+    embeddings at PP > 1, on both ends; the step's share falls with more microbatches; Muon's
+    Newton-Schulz costs more than Adam's pass over the state; the expert all-to-all only with
+    expert parallelism; an untied output layer's step on the last stage."""
+    from megatron_async.planning.balance import LayerShape, cost_model
+
+    tied = cost_model(_args(), _layer())
+    assert tied.terms["tied_link"] > 0 and tied.first_extra >= tied.terms["tied_link"]
+    assert cost_model(_args(pipeline_model_parallel_size=1), _layer()).terms["tied_link"] == 0
+    untied = cost_model(_args(untie_embeddings_and_output_weights=True), _layer())
+    assert untied.terms["tied_link"] == 0 and untied.terms["output_layer_step"] > 0
+    assert untied.last_extra - untied.terms["output_layer_step"] == pytest.approx(tied.last_extra - tied.terms["tied_link"])
+    more_m = cost_model(_args(global_batch_size=256), _layer())
+    assert more_m.terms["layer_step"] == pytest.approx(tied.terms["layer_step"] / 4)
+    assert more_m.terms["layer_pass"] == tied.terms["layer_pass"]
+    assert cost_model(_args(optimizer="adam"), _layer()).terms["layer_step"] < tied.terms["layer_step"]
+    moe_layer = LayerShape(active_params=_layer().active_params, matrices=_layer().matrices, params=_layer().params,
+                           expert_params=0)
+    ep = cost_model(_args(num_experts=8, expert_model_parallel_size=4), moe_layer)
+    assert ep.terms["layer_pass"] > cost_model(_args(num_experts=8), moe_layer).terms["layer_pass"]
+    mtp = cost_model(_args(mtp_num_layers=1), _layer())
+    assert mtp.terms["mtp_layers"] == pytest.approx(tied.layer + tied.terms["output_layer_and_loss"])

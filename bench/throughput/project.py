@@ -35,6 +35,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_async.planning.hardware import ASSUMPTIONS as HARDWARE_ASSUMPTIONS
+from megatron_async.planning.hardware import H100, Cluster, newton_schulz_flops
 from megatron_async.schedules.generators import generate
 from megatron_async.schedules.simulator import simulate
 
@@ -69,30 +71,8 @@ SMOLLM_360M = Model(layers=32, hidden=960, heads=15, kv_heads=5, seq=2048, vocab
 LAYOUTS = {"moe-10b": (MOE_10B, (4, 8, 16), 8, 1, 64), "smollm-360m": (SMOLLM_360M, (4, 8), 2, 8, 16)}
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """Hardware, each number with its source in ASSUMPTIONS."""
-    peak_flops: float = 989e12  # H100 SXM dense BF16
-    mfu: float = 0.40
-    gpus_per_node: int = 8
-    nvlink_bytes_s: float = 450e9  # per GPU, one direction
-    ib_bytes_s: float = 50e9  # per GPU, one 400 Gb/s NIC
-    link_latency_s: float = 10e-6
-    hbm_bytes_s: float = 3.35e12
-    ns_mfu: float = 0.5  # Newton-Schulz GEMMs are large and square
-
-
-H100 = Cluster()
-
 ASSUMPTIONS = {
-    "peak_flops": "989 TFLOP/s dense BF16, NVIDIA H100 SXM5 datasheet",
-    "mfu": "40% of peak for the passes (stated, not measured; --mfu changes it); dense Megatron GPT runs "
-           "on H100 report 40-50% (NVIDIA Megatron-LM README), MoE less",
-    "nvlink_bytes_s": "450 GB/s per GPU per direction, NVLink 4 (900 GB/s bidirectional, H100 SXM5 datasheet)",
-    "ib_bytes_s": "50 GB/s per GPU: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100)",
-    "link_latency_s": "10 microseconds per message (stated)",
-    "hbm_bytes_s": "3.35 TB/s HBM3, H100 SXM5 datasheet",
-    "ns_mfu": "50% of peak for Newton-Schulz GEMMs (stated)",
+    **HARDWARE_ASSUMPTIONS,
     "layout": "DP=8 per stage on one node (EP=8 over it, TP=1), stages on different nodes: "
               "pipeline p2p crosses InfiniBand, DP and EP traffic stays on NVLink",
     "flops": "forward 2 FLOPs per multiply-add of every GEMM (QKV, attention scores and values with a "
@@ -135,11 +115,6 @@ def split_layers(layers: int, stages: int) -> list[int]:
     for s in order[:extra]:
         counts[s] += 1
     return counts
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m ** 3)
 
 
 @dataclass

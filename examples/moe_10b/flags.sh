@@ -6,8 +6,9 @@
 # fine-grained experts of FFN 1024, top-8, SwiGLU, RMSNorm, RoPE, QK-norm, no biases)
 # with 24 layers instead of 16. Total 10.28B parameters, 1.82B active per token
 # (examples/moe_10b/plan.sh builds every stage on the meta device and prints both).
-# Layout for 8-GPU nodes: PP=4 (6 layers a stage) x DP=8 (4 nodes, 32 GPUs), experts
-# spread over the 8 data-parallel ranks of a stage (EP=8), no tensor parallelism.
+# Layout for 8-GPU nodes: PP=4 x DP=8 (4 nodes, 32 GPUs), experts spread over the 8
+# data-parallel ranks of a stage (EP=8), no tensor parallelism; 6, 6, 7 and 5 layers a
+# stage, the last with the output layer: the planner's split (plan.sh prints it).
 #
 # Sourced by examples/slurm/rank_command.sh; it sets TRAIN_ARGS. Paths come from the
 # environment: DATA_PREFIX (Megatron indexed dataset prefix, examples/moe_10b/prepare_data.sh),
@@ -27,6 +28,7 @@ MODEL_ARGS=(
 )
 PARALLEL_ARGS=(
   --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --tensor-model-parallel-size 1
+  --pipeline-model-parallel-layout "Et*6|t*6|t*7|t*5L"   # the planner's split: 6, 6, 7, 5 + output layer
   --pipeline-schedule 2bw                       # no flush, two weight versions, one-step delay
   --use-distributed-optimizer                   # with Muon: Megatron's layer-wise distributed optimizer
   --bf16

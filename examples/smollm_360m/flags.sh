@@ -7,7 +7,8 @@
 # 49,152, RMSNorm eps 1e-5, RoPE base 10,000, no biases, tied input and output
 # embeddings, context 2048). 361.82M parameters (examples/smollm_360m/plan.sh counts
 # them on the meta device; tests/test_cluster_files.py checks the count in closed form).
-# Layout: one 8-GPU node, PP=4 (8 layers a stage) x DP=2, no tensor parallelism.
+# Layout: one 8-GPU node, PP=4 x DP=2, no tensor parallelism; 9, 9, 9 and 5 layers a stage,
+# the last with the output layer: the planner's split (plan.sh prints it), within 1% of even.
 # Tokens: 10B (a stated budget for this config, not a figure from the paper).
 #
 # Sourced by examples/slurm/rank_command.sh; it sets TRAIN_ARGS. Paths come from the
@@ -27,6 +28,7 @@ MODEL_ARGS=(
 )
 PARALLEL_ARGS=(
   --pipeline-model-parallel-size 4 --tensor-model-parallel-size 1
+  --decoder-last-pipeline-num-layers 5          # the planner's split: 9, 9, 9, 5 + output layer
   --pipeline-schedule 2bw                       # no flush, two weight versions, one-step delay
   --use-distributed-optimizer                   # with Muon: Megatron's layer-wise distributed optimizer
   --bf16

@@ -173,18 +173,93 @@ def layer_flops_per_token(layer_params: int, hidden: int, seq_length: int) -> fl
     return 2.0 * layer_params + 2.0 * seq_length * hidden
 
 
-def cost_model(args, active_layer_params: int) -> tuple[float, float]:
-    """(a layer's, the last stage's own) forward FLOPs a token (backward is twice as much
-    everywhere, so the ratios are the same): the output layer and loss (2 x hidden x
-    vocabulary), with each multi-token-prediction layer and its own output layer; the
-    embedding's lookup is free."""
-    layer = layer_flops_per_token(active_layer_params, args.hidden_size, args.seq_length)
-    head = 2.0 * args.hidden_size * args.padded_vocab_size
-    return layer, head + (args.mtp_num_layers or 0) * (layer + head)
+@dataclass(frozen=True)
+class LayerShape:
+    """One transformer layer as the planner built it (tensor parallelism 1): the parameters a
+    token goes through, and every weight matrix as (rows, columns, is an expert's)."""
+    active_params: int
+    matrices: tuple[tuple[int, int, bool], ...]
+    params: int  # all of the layer's parameters (every expert's)
+    expert_params: int
 
 
-def planned_split(args, active_layer_params: int) -> Split:
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds a stage spends per microbatch on the reference cluster (planning/hardware.py):
+    each layer's forward and backward plus its share of the optimizer step (amortised over
+    the batch's m microbatches), and what only the first and the last stage hold."""
+    layer: float
+    first_extra: float
+    last_extra: float
+    num_layers: int
+    terms: dict  # each term in seconds a microbatch, for the plan's report
+
+    def stage_costs(self, layers: Sequence[int]) -> tuple[float, ...]:
+        return stage_costs(layers, [self.layer] * sum(layers), self.first_extra, self.last_extra)
+
+    def best(self, stages: int, first_and_last_only: bool = False) -> Split:
+        return best_split([self.layer] * self.num_layers, stages, self.first_extra, self.last_extra,
+                          first_and_last_only)
+
+
+def cost_model(args, layer: LayerShape, cluster=None) -> CostModel:
+    """The run's costs from its shape and flags:
+    - passes: forward FLOPs (`layer_flops_per_token`; the output layer and loss 2 x hidden x
+      vocabulary a token; each multi-token-prediction layer with its own output layer),
+      backward twice that, at the cluster's pass rate; the embedding's lookup is free; an
+      MoE layer's expert all-to-all (dispatch and combine, both passes) over NVLink;
+    - the optimizer step, once a batch: every local parameter's state through HBM, Muon's
+      Newton-Schulz on each weight matrix, the distributed optimizer's reduce-scatter and
+      all-gather over the data-parallel ranks (NVLink); experts shared over all of a stage's
+      GPUs; the embedding's step on the first stage, an untied output layer's on the last;
+    - with tied embeddings at PP > 1, the link's two transfers a step between the first and
+      the last stage (fp32 gradient one way, bf16 weights back) over the inter-node link."""
+    from megatron_async.planning.hardware import ADAM_STEP_BYTES, H100, newton_schulz_flops
+
+    c = cluster or H100
+    h, vocab, tp = args.hidden_size, args.padded_vocab_size, args.tensor_model_parallel_size
+    dp = args.data_parallel_size
+    tokens = args.micro_batch_size * args.seq_length
+    m = max(args.global_batch_size // (args.micro_batch_size * dp), 1)
+    layer_pass = 3 * layer_flops_per_token(layer.active_params, h, args.seq_length) * tokens / tp / c.pass_flops_s
+    ep = args.expert_model_parallel_size
+    if args.num_experts and ep > 1:  # dispatch and combine, forward and backward, not overlapped
+        routed = 2.0 * tokens * args.moe_router_topk * h * (ep - 1) / ep  # bf16 bytes leaving this GPU
+        layer_pass += 2 * 2 * (routed / c.nvlink_bytes_s + c.link_latency_s)
+    head_pass = 3 * 2.0 * h * vocab * tokens / tp / c.pass_flops_s
+    stage_gpus = dp * tp  # experts are spread over all of them (expert parallel x expert data parallel)
+    dense = layer.params - layer.expert_params
+    step = ADAM_STEP_BYTES * (dense / (dp * tp) + layer.expert_params / stage_gpus) / c.hbm_bytes_s
+    if "muon" in args.optimizer:
+        ns_dense = sum(newton_schulz_flops(r, k) for r, k, expert in layer.matrices if not expert)
+        ns_expert = sum(newton_schulz_flops(r, k) for r, k, expert in layer.matrices if expert)
+        step += (ns_dense / dp + ns_expert / stage_gpus) / (c.peak_flops * c.ns_mfu)
+    step += _data_parallel_exchange(2.0 * dense / tp, dp, c)
+    layer_step = step / m
+    table_step = (ADAM_STEP_BYTES * vocab * h / (dp * tp) / c.hbm_bytes_s
+                  + _data_parallel_exchange(2.0 * vocab * h / tp, dp, c)) / m
+    tied = not args.untie_embeddings_and_output_weights
+    link = 0.0
+    if tied and args.pipeline_model_parallel_size > 1:
+        link = ((4 + 2) * vocab * h / tp / c.ib_bytes_s + 2 * c.link_latency_s) / m
+    mtp = (args.mtp_num_layers or 0) * (layer_pass + layer_step + head_pass)
+    terms = {"layer_pass": layer_pass, "layer_step": layer_step, "output_layer_and_loss": head_pass,
+             "embedding_step": table_step, "output_layer_step": 0.0 if tied else table_step,
+             "tied_link": link, "mtp_layers": mtp}
+    first = table_step + link
+    last = head_pass + mtp + link + (0.0 if tied else table_step)
+    return CostModel(layer_pass + layer_step, first, last, args.num_layers, terms)
+
+
+def _data_parallel_exchange(grad_bytes: float, dp: int, cluster) -> float:
+    """The distributed optimizer's reduce-scatter of gradients and all-gather of parameters
+    (bf16, `grad_bytes` each) over `dp` ranks on NVLink, ring algorithm."""
+    if dp <= 1:
+        return 0.0
+    return 2 * (dp - 1) / dp * grad_bytes / cluster.nvlink_bytes_s
+
+
+def planned_split(args, layer: LayerShape) -> Split:
     """The best split of this run's layers over its pipeline stages under `cost_model`."""
-    layer, last_extra = cost_model(args, active_layer_params)
-    return best_split([layer] * args.num_layers, args.pipeline_model_parallel_size, last_extra=last_extra,
-                      first_and_last_only=bool(args.mtp_num_layers))
+    return cost_model(args, layer).best(args.pipeline_model_parallel_size,
+                                        first_and_last_only=bool(args.mtp_num_layers))

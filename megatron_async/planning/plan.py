@@ -144,12 +144,18 @@ def _plan_config(args):
     return args, core_transformer_config_from_args(args)
 
 
-def active_layer_params(args) -> int:
-    """The parameters of one transformer layer a token goes through (the routed experts' share)."""
+def layer_shape(args):
+    """One transformer layer of this run, built on the meta device: what the cost model reads."""
+    from megatron_async.planning.balance import LayerShape
+
     args, config = _plan_config(args)
-    counts = _counts(_build_stage(config, args, 1, False, False))
+    model = _build_stage(config, args, 1, False, False)
+    counts = _counts(model)
     topk = args.moe_router_topk if args.num_experts else 1
-    return int(counts["dense"] + counts["expert"] * topk / (args.num_experts or 1))
+    matrices = tuple((p.shape[0], p.shape[1], ".experts." in name) for name, p in model.named_parameters()
+                     if p.dim() == 2)
+    return LayerShape(active_params=int(counts["dense"] + counts["expert"] * topk / (args.num_experts or 1)),
+                      matrices=matrices, params=counts["dense"] + counts["expert"], expert_params=counts["expert"])
 
 
 def plan(args) -> list[dict]:
@@ -225,25 +231,33 @@ def _print_table(rows: list[dict]) -> None:
                   f"post, a balanced pipeline holds {c['sends_on_completion']} sends at once")
 
 
-def _print_balance(args, rows: list[dict]) -> None:
-    """Where the run's split stands against the best split of whole layers, and the flags for that."""
-    from megatron_async.planning.balance import cost_model, megatron_flags, planned_split, stage_costs
+def balance(args, rows: list[dict]) -> dict | None:
+    """Where the run's split stands against the best split of whole layers (the cost model's
+    seconds a microbatch on the reference cluster), and Megatron's flags for that split."""
+    from megatron_async.planning.balance import cost_model, megatron_flags
 
     if len(rows) < 2:
-        return
-    active = active_layer_params(args)
-    best = planned_split(args, active)
+        return None
+    model = cost_model(args, layer_shape(args))
+    best = model.best(len(rows), first_and_last_only=bool(args.mtp_num_layers))
     used = [r["layers"] for r in rows]
-    layer, last_extra = cost_model(args, active)
-    now = stage_costs(used, [layer] * sum(used), last_extra=last_extra)
-    mean = sum(now) / len(now)
+    now = model.stage_costs(used)
     try:
-        flags = " ".join(megatron_flags(best.layers, bool(args.mtp_num_layers))) or "(Megatron's even split)"
+        flags = megatron_flags(best.layers, bool(args.mtp_num_layers))
     except ValueError as err:
-        flags = f"(not expressible: {err})"
-    print(f"stage balance: this split {used} puts the slowest stage {100 * (max(now) / mean - 1):.0f}% above a "
-          f"perfect balance; the best whole-layer split {list(best.layers)} puts it "
-          f"{100 * best.imbalance:.0f}% above: {flags}")
+        flags = [f"(not expressible: {err})"]
+    return {"used": used, "used_costs": list(now), "used_imbalance": max(now) / (sum(now) / len(now)) - 1,
+            "best": list(best.layers), "best_costs": list(best.stage_costs), "best_imbalance": best.imbalance,
+            "predicted_gain": max(now) / best.slowest, "flags": flags, "terms": model.terms}
+
+
+def _print_balance(found: dict | None) -> None:
+    if not found:
+        return
+    flags = " ".join(found["flags"]) or "(Megatron's even split)"
+    print(f"stage balance: this split {found['used']} puts the slowest stage {100 * found['used_imbalance']:.0f}% "
+          f"above a perfect balance; the best whole-layer split {found['best']} puts it "
+          f"{100 * found['best_imbalance']:.0f}% above: {flags}")
 
 
 def fits_on_gpu(rows: list[dict], gpu_gb: float) -> bool:
@@ -278,7 +292,8 @@ def main(argv=None) -> int:
           f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
           f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
     _print_table(rows)
-    _print_balance(args, rows)
+    found = balance(args, rows)
+    _print_balance(found)
     from megatron_async.megatron_lm.save_space import bytes_per_parameter
 
     checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (save_space.py)
@@ -290,7 +305,7 @@ def main(argv=None) -> int:
         with open(ns.json, "w", encoding="utf-8") as f:
             json.dump({"total_params": total, "active_params": active, "padded_vocab_size": args.padded_vocab_size,
                        "gpu_gb": ns.gpu_gb, "fits": fits, "checkpoint_gb": checkpoint_gb,
-                       "stages": rows}, f, indent=1)
+                       "stages": rows, "balance": found}, f, indent=1)
     return 0 if fits else 1
 
 
