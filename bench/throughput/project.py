@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_async.planning.hardware import ASSUMPTIONS as HARDWARE_ASSUMPTIONS
+from megatron_async.planning.balance import best_split
 from megatron_async.planning.hardware import H100, Cluster, newton_schulz_flops
 from megatron_async.schedules.generators import generate
 from megatron_async.schedules.simulator import simulate
@@ -57,6 +58,7 @@ class Model:
     expert_ffn: int = 1024
     topk: int = 8
     kv_heads: int = 0  # grouped-query attention's key/value heads (0: as many as heads)
+    tied: bool = False  # tied input and output embeddings: one table, the link between the ends
 
     def attention_projection_params(self) -> int:
         """Q and output projections (h x h each), K and V (h x kv_heads x head dim each)."""
@@ -66,7 +68,8 @@ class Model:
 
 MOE_10B = Model()  # examples/moe_10b/flags.sh: OLMoE-1B-7B's layer x 24
 # examples/smollm_360m/flags.sh: SmolLM-360M's published shape (dense SwiGLU, GQA 15/5, tied embeddings)
-SMOLLM_360M = Model(layers=32, hidden=960, heads=15, kv_heads=5, seq=2048, vocab=49152, ffn=2560, experts=0)
+SMOLLM_360M = Model(layers=32, hidden=960, heads=15, kv_heads=5, seq=2048, vocab=49152, ffn=2560, experts=0,
+                    tied=True)
 # (model, stage counts, data-parallel size, micro-batch, the configuration's own m) per --model
 LAYOUTS = {"moe-10b": (MOE_10B, (4, 8, 16), 8, 1, 64), "smollm-360m": (SMOLLM_360M, (4, 8), 2, 8, 16)}
 
@@ -128,11 +131,12 @@ class StageCosts:
 
 
 def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8, mbs: int = 1,
-              optimizer: str = "muon") -> StageCosts:
-    """Per-stage seconds of one microbatch's forward and backward and of one optimizer step."""
+              optimizer: str = "muon", counts=None, m: int = 0) -> StageCosts:
+    """Per-stage seconds of one microbatch's forward and backward and of one optimizer step,
+    for the layers per stage `counts` (default: the best split for m microbatches a batch,
+    `balanced_counts`)."""
     tokens = mbs * model.seq
     rate = cluster.peak_flops * cluster.mfu
-    counts = split_layers(model.layers, pp)
     act_bytes = 2 * tokens * model.hidden
     a2a = 0.0
     if model.experts:  # dispatch + combine, (ep-1)/ep of the routed tokens leave the GPU
@@ -142,27 +146,41 @@ def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8,
     layer_b = 2 * layer_flops(model, tokens) / rate + a2a
     head = 2 * tokens * model.hidden * model.vocab / rate
     dense, experts = layer_params(model)
-    fwd, bwd, opt = [], [], []
-    for s, n in enumerate(counts):
-        f, b = n * layer_f, n * layer_b
-        stage_dense = n * dense + (model.vocab * model.hidden if s in (0, pp - 1) else 0)
-        if s == pp - 1:
-            f, b = f + head, b + 2 * head
+    table = model.vocab * model.hidden
+
+    def step(layers: int, tables: int) -> float:
+        stage_dense = layers * dense + tables * table
         ring = (dp - 1) / dp * 2 * stage_dense  # bf16 bytes each way
         comm = 2 * ring / cluster.nvlink_bytes_s  # reduce-scatter + all-gather
-        params_local = stage_dense / dp + n * experts / ep
-        update = 22 * params_local / cluster.hbm_bytes_s
+        update = 22 * (stage_dense / dp + layers * experts / ep) / cluster.hbm_bytes_s
         if optimizer == "muon":
             h = model.hidden
             mats = [(3 * h, h), (h, h)] + ([(2 * model.expert_ffn, h), (h, model.expert_ffn)] * model.experts)
-            ns = n * sum(newton_schulz_flops(r, c) for r, c in mats) / dp
-            update += ns / (cluster.peak_flops * cluster.ns_mfu)
+            update += layers * sum(newton_schulz_flops(r, c) for r, c in mats) / dp / (cluster.peak_flops * cluster.ns_mfu)
+        return comm + update
+
+    link = (4 + 2) * table / cluster.ib_bytes_s + 2 * cluster.link_latency_s if model.tied and pp > 1 else 0.0
+    last_tables = 0 if model.tied else 1
+    if counts is None:
+        counts = balanced_counts(model.layers, pp, layer_f + layer_b + step(1, 0) / max(m, 1),
+                                 (step(0, 1) + link) / max(m, 1), 3 * head + (step(0, last_tables) + link) / max(m, 1))
+    fwd, bwd, opt = [], [], []
+    for s, n in enumerate(counts):
+        f, b = n * layer_f, n * layer_b
+        tables = (1 if s == 0 else 0) + (last_tables if s == pp - 1 else 0)
+        if s == pp - 1:
+            f, b = f + head, b + 2 * head
         fwd.append(f)
         bwd.append(b)
-        opt.append(comm + update)
+        opt.append(step(n, tables) + (link if s in (0, pp - 1) else 0.0))
     p2p = act_bytes / cluster.ib_bytes_s + cluster.link_latency_s
     sync = 2 * math.log2(max(pp, 2)) * cluster.link_latency_s
-    return StageCosts(fwd, bwd, opt, p2p, sync, detail={"layers_per_stage": counts})
+    return StageCosts(fwd, bwd, opt, p2p, sync, detail={"layers_per_stage": list(counts)})
+
+
+def balanced_counts(layers: int, pp: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
+    """The planner's split (megatron_async.planning.balance.best_split) for these per-microbatch costs."""
+    return list(best_split([layer] * layers, pp, first_extra, last_extra).layers)
 
 
 def simulate_config(schedule: str, pp: int, m: int, costs: StageCosts, chunks: int = 2) -> float:
@@ -202,21 +220,27 @@ CONFIGURED_M = 64  # examples/moe_10b/flags.sh: global batch 512 / (micro-batch 
 
 def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: int = 1,
             optimizer: str = "muon", configured_m: int = CONFIGURED_M) -> list[dict]:
-    """Tokens/s per GPU and bubble for each (schedule, p, m), m = p, 2p, 4p and the
-    configuration's own m (64 for the 10B MoE)."""
+    """Tokens/s per GPU and efficiency for each (schedule, p, m, layout), m = p, 2p, 4p and the
+    configuration's own m: each schedule at Megatron's even split ("even", the extra layers
+    in the middle) and at the planner's split for its costs ("balanced"; interleaved 1F1B
+    balances each rank's total, its two pieces halves of it)."""
     rows = []
     for pp in pps:
-        costs = gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer)
-        ideal = (sum(costs.fwd) + sum(costs.bwd)) / pp  # perfectly balanced, no bubble, free step
         for m in sorted({pp, 2 * pp, 4 * pp, configured_m}):
-            for schedule in ("1f1b", "interleaved-1f1b", "2bw"):
-                if schedule == "interleaved-1f1b" and min(costs.detail["layers_per_stage"]) < 2:
-                    rows.append(dict(schedule=schedule, pp=pp, m=m, note="needs 2 layers per stage"))
-                    continue
-                t = simulate_config(schedule, pp, m, costs)
-                rows.append(dict(schedule=schedule, pp=pp, m=m, gpus=pp * dp, s_per_microbatch=t,
-                                 tokens_per_s_per_gpu=mbs * model.seq / t / pp,
-                                 efficiency=ideal / t, layers_per_stage=costs.detail["layers_per_stage"]))
+            layouts = {"even": gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer,
+                                         counts=split_layers(model.layers, pp)),
+                       "balanced": gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer, m=m)}
+            for layout, costs in layouts.items():
+                ideal = (sum(costs.fwd) + sum(costs.bwd)) / pp  # perfectly balanced, no bubble, free step
+                for schedule in ("1f1b", "interleaved-1f1b", "2bw"):
+                    row = dict(schedule=schedule, pp=pp, m=m, layout=layout,
+                               layers_per_stage=costs.detail["layers_per_stage"])
+                    if schedule == "interleaved-1f1b" and min(costs.detail["layers_per_stage"]) < 2:
+                        rows.append(dict(row, note="needs 2 layers per stage"))
+                        continue
+                    t = simulate_config(schedule, pp, m, costs)
+                    rows.append(dict(row, gpus=pp * dp, s_per_microbatch=t, tokens_per_s_per_gpu=mbs * model.seq / t / pp,
+                                     efficiency=ideal / t))
     return rows
 
 
@@ -251,16 +275,26 @@ def region_report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def best_layout(rows: list[dict], schedule: str, pp: int, m: int) -> dict:
+    """The schedule's faster layout at (p, m): the planner balances each stage's time, which
+    the simulated pipeline (its point-to-point and its step) can still order otherwise."""
+    found = [r for r in rows if (r["schedule"], r["pp"], r["m"]) == (schedule, pp, m)]
+    timed = [r for r in found if "efficiency" in r]
+    return max(timed, key=lambda r: r["tokens_per_s_per_gpu"]) if timed else found[0]
+
+
 def report(rows: list[dict]) -> str:
-    lines = ["| p | m | GPUs | 1F1B tok/s/GPU | interleaved | 2BW | 2BW / 1F1B | 2BW / interleaved |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    by = {(r["schedule"], r["pp"], r["m"]): r for r in rows}
+    """Each schedule at its best layout, and 2BW at the even split before it."""
+    lines = ["| p | m | GPUs | 1F1B tok/s/GPU | interleaved | 2BW, even split | 2BW | 2BW / 1F1B | 2BW / interleaved "
+             "| 2BW's split |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {(r["schedule"], r["pp"], r["m"], r["layout"]): r for r in rows}
     for pp, m in sorted({(r["pp"], r["m"]) for r in rows}):
-        one, il, two = by[("1f1b", pp, m)], by[("interleaved-1f1b", pp, m)], by[("2bw", pp, m)]
+        one, il, two = (best_layout(rows, s, pp, m) for s in ("1f1b", "interleaved-1f1b", "2bw"))
+        even = by[("2bw", pp, m, "even")]
         tok = lambda r: f"{r['tokens_per_s_per_gpu']:.0f} ({100 * r['efficiency']:.0f}%)" if "efficiency" in r else "n/a"
         ratio = lambda a, b: f"{a['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.2f}x" if "efficiency" in b else "n/a"
-        lines.append(f"| {pp} | {m} | {one['gpus']} | {tok(one)} | {tok(il)} | {tok(two)} | {ratio(two, one)} "
-                     f"| {ratio(two, il)} |")
+        lines.append(f"| {pp} | {m} | {one['gpus']} | {tok(one)} | {tok(il)} | {tok(even)} | {tok(two)} "
+                     f"| {ratio(two, one)} | {ratio(two, il)} | {'/'.join(map(str, two['layers_per_stage']))} |")
     return "\n".join(lines)
 
 
@@ -274,8 +308,8 @@ def plot(rows: list[dict], path: str) -> str:
     fig, axes = plt.subplots(1, len(pps), figsize=(4 * len(pps), 3.4), sharey=True)
     for ax, pp in zip(axes, pps):
         for schedule, colour in (("1f1b", "#4c78a8"), ("interleaved-1f1b", "#72b7b2"), ("2bw", "#f58518")):
-            pts = [(r["m"], r["tokens_per_s_per_gpu"]) for r in rows
-                   if r["pp"] == pp and r["schedule"] == schedule and "efficiency" in r]
+            best = [best_layout(rows, schedule, pp, m) for m in sorted({r["m"] for r in rows if r["pp"] == pp})]
+            pts = [(r["m"], r["tokens_per_s_per_gpu"]) for r in best if "efficiency" in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=colour, label=schedule)
         ax.set_title(f"PP={pp}, DP=8 ({pp * 8} GPUs)")
