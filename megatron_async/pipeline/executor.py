@@ -32,7 +32,8 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from megatron_async.pipeline.p2p import PendingSends, StageLinks, post_run
-from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, RecvActivation, SendActivation, is_comm
+from megatron_async.schedules.actions import (Backward, Forward, OptimizerStep, RecvActivation, ScheduleError,
+                                              SendActivation, is_comm)
 from megatron_async.stash.weight_stash import WeightStashManager
 
 
@@ -90,6 +91,9 @@ class StageExecutor:
         self._reports: dict = {}  # batch -> list of loss reports
         self._drained: set = set()  # microbatches whose activation drain() received early
         self.pending_sends = PendingSends(num_microbatches)
+        # the compute actions this executor runs; any other raises (a zero-bubble list's
+        # split backward would otherwise be skipped)
+        self._compute: dict = {Forward: "_forward", Backward: "_backward", OptimizerStep: "_step_and_retire"}
 
     # --- compute ---------------------------------------------------------------
     # Megatron's own per-microbatch steps (megatron.core.pipeline_parallel.schedules),
@@ -176,18 +180,26 @@ class StageExecutor:
                         if isinstance(a, SendActivation) and a.microbatch % self.m == self.m - 1:
                             self.on_batch_sent(a.microbatch // self.m)
                 continue
+            name = self._compute.get(type(action))
+            if name is None:
+                raise ScheduleError(f"stage {self.links.stage}: the executor cannot run {action!r} "
+                                    f"({type(action).__name__}); it runs {', '.join(t.__name__ for t in self._compute)} "
+                                    "and point-to-point actions")
             self._lookahead.popleft()
-            if isinstance(action, Forward):
-                self._forward(action)
-            elif isinstance(action, Backward):
-                self._backward(action)
-            elif isinstance(action, OptimizerStep):
-                result = self._optimizer_step(action)
-                self.last_step = action.step
-                self.pending_sends.retire_through(action.step - 1)
-                if stop is not None and action.step == stop:
-                    return True, result
+            result = getattr(self, name)(action)
+            if isinstance(action, OptimizerStep) and stop is not None and action.step == stop:
+                return True, result
         return False, None
+
+    def _step_and_retire(self, action: OptimizerStep):
+        result = self._optimizer_step(action)
+        self.last_step = action.step
+        self.pending_sends.retire_through(action.step - 1)
+        return result
+
+    def batch_reports(self, step: int) -> list:
+        """The loss reports of batch `step` so far (all of them once its last forward ran)."""
+        return self._reports.get(step, [])
 
     def train_step(self, step: int) -> tuple[list, tuple]:
         """Run up to and including this stage's optimizer step `step`.

@@ -96,7 +96,7 @@ class TwoBWRunner:
 
     def _step(self, step: int):
         # this batch's losses are all known here (the last stage ran every forward of it)
-        self._loss_flag = LossFlag(self.executor._reports.get(step, []))
+        self._loss_flag = LossFlag(self.executor.batch_reports(step))
         self.finalize_grads()
         if self.tied:
             self.tied.exchange_grads()
