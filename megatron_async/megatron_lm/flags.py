@@ -13,6 +13,7 @@ import os
 import re
 
 from megatron_async.corrections.simulated_delay import parse_delays
+from megatron_async.schedules.registry import delayed_runtime
 
 
 class FlagError(ValueError):
@@ -104,14 +105,15 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     """Before Megatron's validate_args: a flag of DEFAULTS_2BW the user did not set (None, as
     _mark_defaults_2bw_replaces parses it) gets Megatron's default, or under 2bw the value 2bw
     needs, with a one-line notice."""
-    two_bw = getattr(args, "pipeline_schedule", None) == "2bw"
+    two_bw = delayed_runtime(getattr(args, "pipeline_schedule", None))
     for dest, flag, megatron_default, value_2bw, why in DEFAULTS_2BW:
         if not hasattr(args, dest) or getattr(args, dest) is not None:
             continue
         if two_bw:
             setattr(args, dest, value_2bw)
             if getattr(args, "rank", 0) == 0:
-                print(f"megatron-async: --pipeline-schedule 2bw sets {flag} {value_2bw} ({why})", flush=True)
+                print(f"megatron-async: --pipeline-schedule {args.pipeline_schedule} sets {flag} {value_2bw} ({why})",
+                      flush=True)
         else:
             setattr(args, dest, megatron_default)
 
@@ -212,13 +214,14 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     _check_low_precision(args)
     _check_data(args)
     _check_checkpoints(args)
-    if args.pipeline_schedule == "2bw" or args.simulated_delay:
+    delayed = delayed_runtime(args.pipeline_schedule)
+    if delayed or args.simulated_delay:
         _require(not getattr(args, "optimizer_cuda_graph", False),
-                 f"{'--pipeline-schedule 2bw' if args.pipeline_schedule == '2bw' else '--simulated-delay'}: "
+                 f"{_schedule_flag(args) if delayed else '--simulated-delay'}: "
                  "--optimizer-cuda-graph replays a captured optimizer step, which skips the weight stash's save "
                  "of the live weights and the delay correction's hooks (Python code a graph replay never runs), "
                  "and its capture synchronises the device between all-rank barriers")
-    _require(args.clip_grad_mode == "stage-local" or args.pipeline_schedule == "2bw",
+    _require(args.clip_grad_mode == "stage-local" or delayed,
              "--clip-grad-mode stale-global needs --pipeline-schedule 2bw")
     if args.pipeline_schedule is None:
         return args
@@ -228,7 +231,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     names = available_schedules()
     _require(args.pipeline_schedule in names,
              f"--pipeline-schedule {args.pipeline_schedule!r} is not registered; choose one of: {', '.join(names)}")
-    if args.pipeline_schedule == "2bw":
+    if delayed:
         _validate_2bw(args)
     else:
         _require(get_schedule(args.pipeline_schedule).forward_backward_func is not None,
@@ -263,8 +266,8 @@ def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
     _require(len(delays) == 1 or len(delays) == stages,
              f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is {stages}")
     if args.simulated_delay:
-        _require(args.pipeline_schedule != "2bw",
-                 "--simulated-delay cannot be combined with --pipeline-schedule 2bw, whose delay is real")
+        _require(not delayed_runtime(args.pipeline_schedule),
+                 f"--simulated-delay cannot be combined with {_schedule_flag(args)}, whose delay is real")
         _require(pp == 1, f"--simulated-delay needs --pipeline-model-parallel-size 1 (got {pp}); "
                           "use --pipeline-schedule 2bw with PP > 1")
         _require(not args.calculate_per_token_loss,
@@ -281,11 +284,12 @@ def _check_delay_correction(args: argparse.Namespace, delays: tuple) -> None:
     name = args.delay_correction
     if name == "none":
         return
-    delayed = args.pipeline_schedule == "2bw" or args.simulated_delay > 0
+    runtime = delayed_runtime(args.pipeline_schedule)
+    delayed = runtime or args.simulated_delay > 0
     _require(delayed, f"--delay-correction {name} needs a delayed gradient: --pipeline-schedule 2bw or "
                       "--simulated-delay")
     if name in ("dc-asgd", "predict"):
-        _require(args.pipeline_schedule == "2bw" or set(delays) == {1},
+        _require(runtime or set(delays) == {1},
                  f"--delay-correction {name} models a one-step delay (2bw, --simulated-delay 1); "
                  f"got --simulated-delay {','.join(map(str, delays))}")
     if name in ("ef", "dc-asgd", "nesterov"):  # they act on the torch optimizer's .grad and main parameters
@@ -348,33 +352,41 @@ def megatron_picks(args: argparse.Namespace) -> str:
 def _validate_2bw(args: argparse.Namespace) -> None:
     from megatron_async.schedules.gen_2bw import min_microbatches_2bw
 
+    from megatron_async.schedules.registry import get_schedule
+
     pp = args.pipeline_model_parallel_size
-    _require(pp > 1, "--pipeline-schedule 2bw needs --pipeline-model-parallel-size > 1 "
-                     "(at PP=1 use --simulated-delay 1)")
+    flag = _schedule_flag(args)
+    _require(pp > 1 or not get_schedule(args.pipeline_schedule).requires_pipeline,
+             f"{flag} needs --pipeline-model-parallel-size > 1 (at PP=1 use --simulated-delay 1)")
     m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     bound = min_microbatches_2bw(pp)
-    _require(m >= bound, f"--pipeline-schedule 2bw with {pp} stages needs at least {bound} microbatches per batch "
+    _require(m >= bound, f"{flag} with {pp} stages needs at least {bound} microbatches per batch "
                          f"(--global-batch-size / (--micro-batch-size x data-parallel size) = {m})")
     _require(not args.virtual_pipeline_model_parallel_size,
-             "--pipeline-schedule 2bw does not support virtual pipeline stages "
+             f"{flag} does not support virtual pipeline stages "
              "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
     copies_embeddings = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
     _require(not copies_embeddings or args.delay_correction != "predict",
-             "--pipeline-schedule 2bw: --delay-correction predict needs --untie-embeddings-and-output-weights "
+             f"{flag}: --delay-correction predict needs --untie-embeddings-and-output-weights "
              "and no --mtp-num-layers: the last stage's copy of the word embeddings is the first stage's, sent "
              "after its step, and a prediction from the last stage's own weights would extrapolate from a "
              "discarded update")
     _require(not (copies_embeddings and args.save_params_interval),
-             "--pipeline-schedule 2bw: --save-params-interval with tied embeddings or --mtp-num-layers would dump "
+             f"{flag}: --save-params-interval with tied embeddings or --mtp-num-layers would dump "
              "the last stage's copy of the word embeddings right after its own step, an update 2bw discards "
              "(it installs the first stage's weights before the next step)")
     _require(not args.mtp_num_layers or not args.pipeline_model_parallel_layout,
-             "--pipeline-schedule 2bw: --pipeline-model-parallel-layout with --mtp-num-layers: the MTP layers must "
+             f"{flag}: --pipeline-model-parallel-layout with --mtp-num-layers: the MTP layers must "
              "stay on the last stage, whose copy of the word embeddings the tied-embedding link keeps")
     _require(args.clip_grad_mode == "stage-local" or args.clip_grad > 0,
              "--clip-grad-mode stale-global needs --clip-grad > 0")
-    for name, refused, flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
-        _require(not refused(getattr(args, name, None)), f"--pipeline-schedule 2bw: {flag} {why}")
+    for name, refused, refused_flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
+        _require(not refused(getattr(args, name, None)), f"{flag}: {refused_flag} {why}")
+
+
+def _schedule_flag(args: argparse.Namespace) -> str:
+    """How a message names the schedule the user picked."""
+    return f"--pipeline-schedule {args.pipeline_schedule}"
 
 
 CARRY_2BW_STATE = ("torch_dist", "torch")  # formats tested to save and restore the stash and EF state
@@ -400,7 +412,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
     _require(args.eval_interval is not None or args.skip_train,
              "--eval-interval is required: Megatron sizes its validation data by --train-iters // --eval-interval "
              "(pass e.g. --eval-interval 1000; --eval-iters 0 skips validation)")
-    stash = args.pipeline_schedule == "2bw" or args.simulated_delay > 0
+    stash = delayed_runtime(args.pipeline_schedule) or args.simulated_delay > 0
     if stash and args.save:
         _require(args.ckpt_format in CARRY_2BW_STATE,
                  f"--ckpt-format {args.ckpt_format}: not tested to carry 2bw's weight stash and delay-correction "

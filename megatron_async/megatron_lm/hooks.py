@@ -20,6 +20,7 @@ import torch
 
 from megatron_async.megatron_lm import flags, runtime
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
+from megatron_async.schedules.registry import delayed_runtime
 
 _INSTALLED: dict = {}
 
@@ -61,7 +62,7 @@ def _get_forward_backward_func(original):
         from megatron.training import get_args
 
         margs = get_args()
-        if margs.pipeline_schedule == "2bw":
+        if delayed_runtime(margs.pipeline_schedule):
             func = runtime.two_bw_forward_backward
         else:
             func = original(*args, **kwargs)

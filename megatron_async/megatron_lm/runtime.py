@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron_async.corrections.delay_correction import RULES
 from megatron_async.megatron_lm.checkpoint import snapshot_rng
 from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
+from megatron_async.schedules.registry import delayed_runtime
 
 STASH_KEY = "weight_stash"
 STALE_NORM_KEY = "stale_global_norm"
@@ -110,7 +111,7 @@ def wrap_optimizer(model, optimizer):
     from megatron_async.megatron_lm.checkpoint import saved_contents
 
     args = get_args()
-    two_bw = args.pipeline_schedule == "2bw"
+    two_bw = delayed_runtime(args.pipeline_schedule)
     if not (two_bw or args.simulated_delay):
         return optimizer
     from megatron_async.pipeline.grad_stats import make_stage_local
@@ -144,7 +145,7 @@ def start_stop_agreement(args) -> None:
     """Under 2bw with --exit-signal-handler or --exit-duration-in-mins: the group every
     rank agrees on its stop iteration over (pipeline/stop_agreement.py), made before
     training, where every rank is."""
-    if args.pipeline_schedule != "2bw" or not (args.exit_signal_handler or args.exit_duration_in_mins):
+    if not delayed_runtime(args.pipeline_schedule) or not (args.exit_signal_handler or args.exit_duration_in_mins):
         return
     from megatron_async.pipeline.stop_agreement import StopAgreement
 
@@ -232,7 +233,7 @@ def saved_contents_marker() -> dict:
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
             "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
             # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
-            "embedding_copy_linked": args.pipeline_schedule == "2bw" and (
+            "embedding_copy_linked": delayed_runtime(args.pipeline_schedule) and (
                 not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)),
             "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
 
@@ -267,14 +268,14 @@ def _runner(model_chunk, forward_step_func):
     from megatron.core.utils import get_model_config
     from megatron.training import get_args
 
-    from megatron_async.pipeline.two_bw import TwoBWRunner
+    from megatron_async.schedules.registry import get_runtime
 
     if STATE.runner is None:
         args = get_args()
         config = get_model_config(model_chunk)
         start_from_checkpoint(args)
         STATE.step = args.iteration
-        STATE.runner = TwoBWRunner(
+        STATE.runner = get_runtime(args.pipeline_schedule)(
             [model_chunk], None, get_num_microbatches(), args.train_iters,
             activation_shape=_activation_shape(args, config),
             dtype=config.pipeline_dtype or args.params_dtype,
@@ -389,6 +390,7 @@ def pipeline_stage() -> int:
 
 
 def is_two_bw() -> bool:
+    """This run trains on the registry's delayed runtime (2bw)."""
     from megatron.training import get_args
 
-    return getattr(get_args(), "pipeline_schedule", None) == "2bw"
+    return delayed_runtime(getattr(get_args(), "pipeline_schedule", None))

@@ -33,7 +33,9 @@ def bytes_per_parameter(args) -> int:
     main = 4 if weight != 4 else 0
     moments = 8 if args.optimizer == "adam" else 4
     stash = 0
-    if args.pipeline_schedule == "2bw" or args.simulated_delay > 0:
+    from megatron_async.schedules.registry import delayed_runtime
+
+    if delayed_runtime(args.pipeline_schedule) or args.simulated_delay > 0:
         stash = weight * (2 if args.delay_correction == "predict" else max(args.simulated_delay, 1))
     return weight + main + moments + stash + 4 * CORRECTION_COPIES.get(args.delay_correction, 0)
 

@@ -10,17 +10,6 @@ from megatron_async.schedules.gen_interleaved import interleaved_1f1b  # noqa: F
 from megatron_async.schedules.gen_pipedream import pipedream, pipedream_versions  # noqa: F401
 from megatron_async.schedules.gen_zero_bubble import zb_h1, zbv  # noqa: F401
 
-GENERATORS = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b_flush,
-    "2bw": two_bw,
-    "pipedream": pipedream,
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": zb_h1,
-    "zbv": zbv,
-}
-
-
 def generate(name: str, num_stages: int, microbatches: int, batches: int = 1):
     """Action lists of the registered schedule `name`."""
     from megatron_async.schedules.registry import get_schedule_generator

@@ -79,6 +79,15 @@ def get_runtime(name: str) -> Callable:
     return runtime
 
 
+def delayed_runtime(name: Optional[str]) -> bool:
+    """True for a schedule our persistent runtime trains with delayed weights (2bw): the flag
+    checks, the Megatron hooks and the planner follow this, not the schedule's name. False
+    for no schedule and for a name not registered (the flag check names those)."""
+    _load_builtins()
+    spec = _REGISTRY.get(name) if name else None
+    return bool(spec and spec.runtime is not None and spec.asynchronous)
+
+
 def is_runnable(name: str) -> bool:
     """True if the trainer can run `name` (a Megatron function or our runtime)."""
     spec = get_schedule(name)

@@ -24,7 +24,7 @@ from megatron_async.megatron_lm import layout_invariant_init
 from megatron_async.testing.forward_step import gpt_forward_step, reduce_lm_loss
 from megatron_async.testing.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
 from megatron_async.testing.parallel import init_model_parallel
-from megatron_async.schedules.registry import get_forward_backward_func
+from megatron_async.schedules.registry import delayed_runtime, get_forward_backward_func
 from megatron_async.corrections.simulated_delay import version_for_step
 
 
@@ -221,7 +221,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
     schedule = spec.schedule or ("1f1b" if spec.pp > 1 else "no-pipelining")
     num_micro = spec.num_microbatches(world_size)
     losses, grads_present, extra = [], [], {}
-    if schedule == "2bw":
+    if delayed_runtime(schedule):
         make_stage_local(optimizer, spec.use_distributed_optimizer)
         runner = TwoBWRunner(
             model, optimizer, num_micro, spec.planned_iterations or iterations,
