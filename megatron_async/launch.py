@@ -102,10 +102,12 @@ def _finish() -> None:
     import torch.distributed as dist
     from megatron.training import get_args
 
-    from megatron_async.megatron_lm import metrics
+    from megatron_async.megatron_lm import plugin_run
 
     if dist.is_initialized():
-        metrics.finish(get_args().plot)
+        run = plugin_run.current()
+        if run is not None:
+            run.metrics.finish(get_args().plot)
         from megatron_async import cpu
 
         if cpu.is_active():  # before the group is destroyed, which aborts what is left

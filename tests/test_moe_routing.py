@@ -35,7 +35,8 @@ def _routing_map(rng, tokens, experts, topk):
 
 def test_imbalance_is_max_over_mean_tokens_per_expert():
     rng = np.random.default_rng(0)
-    moe_routing._STATE.update(counts={}, aux=None, handles=[object()])
+    counts = moe_routing.RoutingCounts()
+    counts.handles = [object()]  # as if attached to a model
     expected = {}
     for layer in (1, 2):
         chosen_all = []
@@ -43,19 +44,18 @@ def test_imbalance_is_max_over_mean_tokens_per_expert():
             routing, chosen = _routing_map(rng, 40, 8, 2)
             chosen_all.append(chosen.ravel())
             router = SimpleNamespace(training=True, layer_number=layer)
-            moe_routing._count(router, None, (None, torch.from_numpy(routing)))
+            counts.count(router, None, (None, torch.from_numpy(routing)))
         per_expert = np.bincount(np.concatenate(chosen_all), minlength=8)
         expected[layer] = per_expert.max() / per_expert.mean()
     # an evaluation forward is not counted
-    moe_routing._count(SimpleNamespace(training=False, layer_number=1), None,
+    counts.count(SimpleNamespace(training=False, layer_number=1), None,
                        (None, torch.ones(40, 8, dtype=torch.bool)))
-    record = moe_routing.take_record(7, num_layers=3, num_experts=8)
+    record = counts.take_record(7, num_layers=3, num_experts=8)
     assert record["iteration"] == 7
     assert record["moe_load_imbalance_layers"][:2] == pytest.approx([expected[1], expected[2]], rel=1e-12)
     assert record["moe_load_imbalance_layers"][2] is None  # a layer no router of this rank holds
     assert record["moe_load_imbalance"] == pytest.approx((expected[1] + expected[2]) / 2, rel=1e-12)
-    assert moe_routing._STATE["counts"] == {}  # the next iteration starts from zero
-    moe_routing._STATE["handles"] = []
+    assert counts.counts == {}  # the next iteration starts from zero
 
 
 def _moe_run(tmp_path, name, nproc, extra):

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from megatron_async.megatron_lm import flags, runtime
+from megatron_async.megatron_lm import flags, plugin_run, runtime
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
 from megatron_async.schedules.registry import delayed_runtime
 
@@ -62,11 +62,12 @@ def _get_forward_backward_func(original):
         from megatron.training import get_args
 
         margs = get_args()
+        delayed = plugin_run.delayed(margs)
         if delayed_runtime(margs.pipeline_schedule):
-            func = runtime.two_bw_forward_backward
+            func = delayed.forward_backward
         else:
             func = original(*args, **kwargs)
-            func = runtime.simulated_delay(func) if margs.simulated_delay else func
+            func = delayed.simulated_delay(func) if margs.simulated_delay else func
         return megatron_check_as_ours(func, lambda: get_args().curr_iteration + 1, runtime.pipeline_stage)
 
     return hooked
@@ -78,6 +79,7 @@ def _get_megatron_optimizer(original):
         from megatron.training import get_args
 
         margs = get_args()
+        run = plugin_run.start(margs)
         if margs.layout_invariant_init:
             from megatron_async.megatron_lm.layout_invariant_init import init_by_global_name, megatron_like
 
@@ -93,8 +95,10 @@ def _get_megatron_optimizer(original):
 
             take_on_every_rank(margs.save)
             check_room(margs.save, model_chunks, margs)
-        runtime.start_stop_agreement(margs)
-        return runtime.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
+        if run.delayed is None:
+            return original(config, model_chunks, *args, **kwargs)
+        run.delayed.start_stop_agreement(margs)
+        return run.delayed.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
 
     return hooked
 
@@ -106,7 +110,7 @@ def _train_step(original):
     @functools.wraps(original)
     def hooked(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
         result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
-        if runtime.STATE.stash is None:
+        if plugin_run.delayed() is None:
             from megatron.training import get_args
 
             check_train_step(result, optimizer, get_args().curr_iteration + 1, runtime.pipeline_stage())
@@ -153,32 +157,37 @@ def _train(original):
             get_timers()("interval-time", log_level=0).set_barrier_group(runtime.stage_group())
         from megatron.training import get_args
 
+        run = plugin_run.current()
         if get_args().num_experts and get_args().metrics_json:  # forward hooks on its TopKRouters
-            from megatron_async.megatron_lm import moe_routing
-
-            moe_routing.attach(kwargs["model"] if "model" in kwargs else args[1])
+            run.routing.attach(kwargs["model"] if "model" in kwargs else args[1])
+        delayed = run.delayed if run is not None else None
         try:
             result = original(*args, **kwargs)
         except SystemExit:  # Megatron's exits inside train (--exit-interval, ...): drain and finish first
-            runtime.finish()
+            if delayed is not None:
+                delayed.finish()
             raise
         except BaseException:
-            runtime.abandon()
+            if delayed is not None:
+                delayed.abandon()
             raise
-        runtime.finish()
+        if delayed is not None:
+            delayed.finish()
         return result
 
     return hooked
 
 
 def _training_log(original):
-    from megatron_async.megatron_lm.metrics import record_iteration, record_routing
-
     @functools.wraps(original)
     def hooked(*args, **kwargs):
-        record_iteration(original, args, kwargs)
+        run = plugin_run.current()
+        if run is None:
+            return original(*args, **kwargs)
+        runner = run.delayed.runner if run.delayed is not None else None
+        run.metrics.record_iteration(original, args, kwargs, runner)
         result = original(*args, **kwargs)
-        record_routing(args, kwargs)  # after Megatron's MoE report, which it reads
+        run.metrics.record_routing(run.routing, args, kwargs)  # after Megatron's MoE report, which it reads
         return result
 
     return hooked
@@ -189,9 +198,9 @@ def _moe_aggregate(original):
 
     @functools.wraps(original)
     def hooked(self, loss_scale, num_moe_layers, metric_names, *args, **kwargs):
-        from megatron_async.megatron_lm import moe_routing
-
-        moe_routing.capture_aux(self, loss_scale, metric_names)
+        run = plugin_run.current()
+        if run is not None:
+            run.routing.capture_aux(self, loss_scale, metric_names)
         return original(self, loss_scale, num_moe_layers, metric_names, *args, **kwargs)
 
     return hooked
@@ -209,17 +218,20 @@ def _save_checkpoint(original):
         from megatron_async.megatron_lm.save_lock import check_before_save
 
         check_before_save(root, iteration)  # one writer per --save
-        runtime.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
-        contents = runtime.saved_contents_marker()
+        delayed = plugin_run.delayed()
+        if delayed is None:
+            return original(iteration, *args, **kwargs)
+        delayed.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
+        contents = delayed.saved_contents_marker()
         if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
-            side_state.save(checkpoint_dir(root, iteration), runtime.per_rank_state())
+            side_state.save(checkpoint_dir(root, iteration), delayed.per_rank_state())
             write_marker(root, iteration, contents, create=True)
         if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into:
-            runtime.STATE.marker_due = (root, iteration, contents)  # written when Megatron names its tracker
+            delayed.marker_due = (root, iteration, contents)  # written when Megatron names its tracker
         try:
             result = original(iteration, *args, **kwargs)
         finally:
-            due, runtime.STATE.marker_due = runtime.STATE.marker_due, None
+            due, delayed.marker_due = delayed.marker_due, None
         if due is not None:  # no tracker written on this rank (write_marker writes on rank 0 only)
             write_marker(*due)
         return result
@@ -236,11 +248,12 @@ def _checkpoint_tracker_filename(original):
     def hooked(checkpoints_path):
         import os
 
-        due = runtime.STATE.marker_due
+        delayed = plugin_run.delayed()
+        due = delayed.marker_due if delayed is not None else None
         if due is not None and os.path.realpath(due[0]) == os.path.realpath(checkpoints_path):
             from megatron_async.megatron_lm.checkpoint import write_marker
 
-            runtime.STATE.marker_due = None
+            delayed.marker_due = None
             write_marker(*due)
         return original(checkpoints_path)
 
@@ -300,15 +313,16 @@ def _checkpoint_and_decide_exit(original):
     def hooked(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
         from megatron.training import get_args
 
-        agreement = runtime.STATE.stop
         margs = get_args()
+        delayed = plugin_run.delayed(margs)
+        agreement = delayed.stop if delayed is not None else None
         if agreement is None:
             return original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs)
         own = margs.exit_signal_handler, margs.exit_duration_in_mins
         margs.exit_signal_handler, margs.exit_duration_in_mins = False, None
         try:
             if original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
-                return True  # runtime.finish settles the agreement
+                return True  # DelayedRun.finish settles the agreement
         finally:
             margs.exit_signal_handler, margs.exit_duration_in_mins = own
         code, posted = agreement.after_iteration(iteration, runtime.local_stop_code(margs))
@@ -364,7 +378,8 @@ def _get_rng_state(original):
     def hooked(*args, **kwargs):
         from megatron_async.megatron_lm import checkpoint
 
-        snapshot = checkpoint.rng_for_save(runtime.STATE.step) if runtime.STATE.runner is not None else None
+        delayed = plugin_run.delayed()
+        snapshot = checkpoint.rng_for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
         if snapshot is None:
             return original(*args, **kwargs)
         current = checkpoint.capture_rng()
@@ -378,23 +393,23 @@ def _get_rng_state(original):
 
 
 def _evaluate_and_print_results(original):
-    from megatron_async.megatron_lm.metrics import evaluation_context
-
     @functools.wraps(original)
     def hooked(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs):
-        evaluation_context(prefix, iteration)
+        run = plugin_run.current()
+        if run is not None:
+            run.metrics.evaluation_context(prefix, iteration)
         return original(prefix, forward_step_func, data_iterator, model, iteration, *args, **kwargs)
 
     return hooked
 
 
 def _evaluate(original):
-    from megatron_async.megatron_lm.metrics import record_evaluation
-
     @functools.wraps(original)
     def hooked(*args, **kwargs):
         result = original(*args, **kwargs)
-        record_evaluation(result[0])
+        run = plugin_run.current()
+        if run is not None:
+            run.metrics.record_evaluation(result[0])
         return result
 
     return hooked

@@ -20,34 +20,47 @@ from __future__ import annotations
 
 import torch
 
-_STATE = {"counts": {}, "aux": None, "handles": []}
+class RoutingCounts:
+    """One run's routed-token counts and Megatron's aux losses, between two records
+    (megatron_lm/plugin_run.PluginRun holds it)."""
 
+    def __init__(self):
+        self.counts: dict = {}  # layer number -> tokens per expert
+        self.aux = None
+        self.handles: list = []
 
-def _count(router, _inputs, output) -> None:
-    if not router.training or router.layer_number is None:
-        return
-    routing_map = output[1]
-    tokens = routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(dim=0, dtype=torch.float64)
-    counts = _STATE["counts"]
-    counts[router.layer_number] = counts.get(router.layer_number, 0) + tokens
+    def count(self, router, _inputs, output) -> None:
+        """A TopKRouter's forward hook."""
+        if not router.training or router.layer_number is None:
+            return
+        routing_map = output[1]
+        tokens = routing_map.detach().reshape(-1, routing_map.shape[-1]).sum(dim=0, dtype=torch.float64)
+        self.counts[router.layer_number] = self.counts.get(router.layer_number, 0) + tokens
 
+    def attach(self, model_chunks) -> int:
+        """Count routed tokens in every TopKRouter of `model_chunks`; the number of routers."""
+        from megatron.core.transformer.moe.router import TopKRouter
 
-def attach(model_chunks) -> int:
-    """Count routed tokens in every TopKRouter of `model_chunks`; the number of routers."""
-    from megatron.core.transformer.moe.router import TopKRouter
+        for handle in self.handles:
+            handle.remove()
+        self.handles = [m.register_forward_hook(self.count) for chunk in model_chunks for m in chunk.modules()
+                        if isinstance(m, TopKRouter)]
+        self.counts = {}
+        return len(self.handles)
 
-    for handle in _STATE["handles"]:
-        handle.remove()
-    _STATE["handles"] = [m.register_forward_hook(_count) for chunk in model_chunks for m in chunk.modules()
-                         if isinstance(m, TopKRouter)]
-    _STATE["counts"] = {}
-    return len(_STATE["handles"])
+    def capture_aux(self, tracker, loss_scale: float, metric_names) -> None:
+        """Called from MoEMetricsTracker._aggregate: its per-layer values, as it logs them."""
+        entry = tracker.metrics.get("load_balancing_loss") if "load_balancing_loss" in metric_names else None
+        self.aux = None if entry is None else (entry.values.float() * loss_scale).tolist()
 
-
-def capture_aux(tracker, loss_scale: float, metric_names) -> None:
-    """Called from MoEMetricsTracker._aggregate: its per-layer values, as it logs them."""
-    entry = tracker.metrics.get("load_balancing_loss") if "load_balancing_loss" in metric_names else None
-    _STATE["aux"] = None if entry is None else (entry.values.float() * loss_scale).tolist()
+    def take_record(self, iteration: int, num_layers: int, num_experts: int) -> dict | None:
+        """This iteration's routing record (every rank must call it: it reduces within the
+        stage), then clears the counts; None when no router ran."""
+        counts, aux = self.counts, self.aux
+        self.counts, self.aux = {}, None
+        if not self.handles:
+            return None
+        return _record(iteration, counts, aux, num_layers, num_experts)
 
 
 def imbalance(counts: torch.Tensor) -> float:
@@ -68,13 +81,7 @@ def _stage_sum(counts: torch.Tensor) -> torch.Tensor:
     return counts
 
 
-def take_record(iteration: int, num_layers: int, num_experts: int) -> dict | None:
-    """This iteration's routing record (every rank must call it: it reduces within the
-    stage), then clears the counts; None when no router ran."""
-    counts, aux = _STATE["counts"], _STATE["aux"]
-    _STATE["counts"], _STATE["aux"] = {}, None
-    if not _STATE["handles"]:
-        return None
+def _record(iteration: int, counts: dict, aux, num_layers: int, num_experts: int) -> dict:
     table = torch.zeros(num_layers, num_experts, dtype=torch.float64)
     for layer, tokens in counts.items():
         table[layer - 1] = tokens.cpu()

@@ -2,7 +2,7 @@
 
 Megatron's train_step calls a forward-backward function once per iteration and
 then steps the optimizer. Under `--pipeline-schedule 2bw` that function is
-`two_bw_forward_backward`: it drives one persistent TwoBWRunner per process,
+`DelayedRun.forward_backward`: it drives one persistent TwoBWRunner per run,
 which runs this stage's action list up to its optimizer step t, finalises the
 gradients (Megatron's finalize_model_grads) and returns the batch's loss reports,
 leaving the next batch's warm-up forwards in flight. The optimizer Megatron steps
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 from functools import partial
-from types import SimpleNamespace
 
 import torch
 from megatron.core import parallel_state
@@ -29,8 +28,7 @@ from megatron_async.schedules.registry import delayed_runtime
 
 STASH_KEY = "weight_stash"
 STALE_NORM_KEY = "stale_global_norm"
-STATE = SimpleNamespace(stash=None, runner=None, step=None, data_iterator=None, version_for=None, stale_norm=None,
-                        optimizer=None, resumed={}, stop=None, marker_due=None)
+ABANDON_WAIT_S = 30.0
 
 
 class DelayedStepOptimizer:
@@ -40,9 +38,10 @@ class DelayedStepOptimizer:
     Everything else is the wrapped optimizer's (state dicts, loss scale, groups).
     """
 
-    def __init__(self, optimizer, stash, load_stash: bool = True, load_stale_norm: bool = False):
+    def __init__(self, optimizer, run: "DelayedRun", load_stash: bool = True, load_stale_norm: bool = False):
         self.optimizer = optimizer
-        self.stash = stash
+        self.run = run
+        self.stash = run.stash
         self.load_stash = load_stash  # False: the checkpoint to resume has no stash
         self.load_stale_norm = load_stale_norm
 
@@ -53,9 +52,9 @@ class DelayedStepOptimizer:
         from megatron_async.stash.per_rank_state import add_state
 
         state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        if STATE.stale_norm is not None:
-            add_state(state, STALE_NORM_KEY, STATE.stale_norm.state_dict, is_loading, self.load_stale_norm)
-        if not is_loading or (self.load_stash and STATE.resumed.get("stash_layout") == "sharded"):
+        if self.run.stale_norm is not None:
+            add_state(state, STALE_NORM_KEY, self.run.stale_norm.state_dict, is_loading, self.load_stale_norm)
+        if not is_loading or (self.load_stash and self.run.resumed.get("stash_layout") == "sharded"):
             from megatron_async.stash import checkpoint as stash_checkpoint
 
             # laid out like the model's weights, so torch_dist reshards it with them
@@ -66,13 +65,13 @@ class DelayedStepOptimizer:
     def load_state_dict(self, state_dict) -> None:
         from megatron_async.stash.per_rank_state import pop_state
 
-        if STATE.stale_norm is not None:
-            state_dict = pop_state(state_dict, STALE_NORM_KEY, STATE.stale_norm.load_state_dict)
+        if self.run.stale_norm is not None:
+            state_dict = pop_state(state_dict, STALE_NORM_KEY, self.run.stale_norm.load_state_dict)
         self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self._load_stash))
-        if STATE.resumed.get(STASH_KEY) and STATE.resumed.get("per_rank_state") == "files":
+        if self.run.resumed.get(STASH_KEY) and self.run.resumed.get("per_rank_state") == "files":
             from megatron_async.megatron_lm import side_state
 
-            load_per_rank_state(side_state.load(STATE.resumed["loaded_from"]))
+            self.run.load_per_rank_state(side_state.load(self.run.resumed["loaded_from"]))
 
     def _load_stash(self, state: dict) -> None:
         if not self.load_stash:  # not asked for: torch_dist still returns its plain values (common state)
@@ -87,7 +86,7 @@ class DelayedStepOptimizer:
     def step(self):
         from megatron.training import get_args
 
-        stale, runner = STATE.stale_norm, STATE.runner
+        stale, runner = self.run.stale_norm, self.run.runner
         if runner is not None:
             runner.before_optimizer_step()  # tied embeddings: the last stage installs the newest weights
         with self.stash.optimizer_step(), stale.step() if stale else contextlib.nullcontext():
@@ -102,57 +101,234 @@ class DelayedStepOptimizer:
         return update_ok, grad_norm, zeros
 
 
-def wrap_optimizer(model, optimizer):
-    """Right after Megatron builds the optimizer, before it loads a checkpoint:
-    stage-local gradient statistics, the weight stash, EF and the delayed step.
-    Returns the optimizer Megatron's loop is to use (unchanged for synchronous runs)."""
-    from megatron.training import get_args
+class DelayedRun:
+    """One delayed-weight run (2bw, or --simulated-delay) in Megatron's loop: its weight
+    stash, the 2bw runner, the step it is at, the stale global norm, the stop agreement and
+    what the checkpoint it resumed from holds. Made in the optimizer hook
+    (megatron_lm/plugin_run.py), reached by the hooks through `plugin_run.current()`;
+    nothing of it lives in a module."""
 
-    from megatron_async.megatron_lm.checkpoint import saved_contents
+    def __init__(self):
+        self.stash = None
+        self.runner = None
+        self.step = None
+        self.data_iterator = None
+        self.version_for = None
+        self.stale_norm = None
+        self.optimizer = None
+        self.resumed: dict = {}
+        self.stop = None
+        self.marker_due = None  # a torch_dist marker written when Megatron names its tracker
 
-    args = get_args()
-    two_bw = delayed_runtime(args.pipeline_schedule)
-    if not (two_bw or args.simulated_delay):
-        return optimizer
-    from megatron_async.pipeline.grad_stats import make_stage_local
-    from megatron_async.stash.weight_stash import WeightStashManager
+    def wrap_optimizer(self, model, optimizer):
+        """Right after Megatron builds the optimizer, before it loads a checkpoint:
+        stage-local gradient statistics, the weight stash, EF and the delayed step.
+        Returns the optimizer Megatron's loop is to use."""
+        from megatron.training import get_args
 
-    if two_bw:
-        make_stage_local(optimizer, args.use_distributed_optimizer)
-    resumed = STATE.resumed = saved_contents(args) if args.load else {}
-    in_optimizer = resumed.get("per_rank_state", "optimizer") == "optimizer"  # else in per-rank files
-    if args.delay_correction in RULES:
-        from megatron_async.corrections.delay_correction import DelayCorrectedOptimizer
-        from megatron_async.megatron_lm.flags import nesterov_beta
+        from megatron_async.megatron_lm.checkpoint import saved_contents
+        from megatron_async.pipeline.grad_stats import make_stage_local
+        from megatron_async.stash.weight_stash import WeightStashManager
 
-        optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
-                                            dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args))
-        optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction")) and in_optimizer
-    if two_bw and args.clip_grad_mode == "stale-global":
-        from megatron_async.pipeline.p2p import duplicate_pipeline_group
-        from megatron_async.pipeline.stale_global import StaleGlobalNorm
+        args = get_args()
+        two_bw = delayed_runtime(args.pipeline_schedule)
+        if two_bw:
+            make_stage_local(optimizer, args.use_distributed_optimizer)
+        resumed = self.resumed = saved_contents(args) if args.load else {}
+        in_optimizer = resumed.get("per_rank_state", "optimizer") == "optimizer"  # else in per-rank files
+        if args.delay_correction in RULES:
+            from megatron_async.corrections.delay_correction import DelayCorrectedOptimizer
+            from megatron_async.megatron_lm.flags import nesterov_beta
 
-        STATE.stale_norm = StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
-    # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
-    predict = args.prediction_alpha if args.delay_correction == "predict" else None
-    STATE.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1), predict=predict)
-    STATE.optimizer = optimizer
-    return DelayedStepOptimizer(optimizer, STATE.stash, load_stash=bool(resumed.get(STASH_KEY)) and in_optimizer,
-                                load_stale_norm=bool(resumed.get(STALE_NORM_KEY)) and in_optimizer)
+            optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
+                                                dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args))
+            optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction")) and in_optimizer
+        if two_bw and args.clip_grad_mode == "stale-global":
+            from megatron_async.pipeline.p2p import duplicate_pipeline_group
+            from megatron_async.pipeline.stale_global import StaleGlobalNorm
 
+            self.stale_norm = StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
+        # A checkpoint without a stash (e.g. from a 1F1B run) starts both versions equal.
+        predict = args.prediction_alpha if args.delay_correction == "predict" else None
+        self.stash = WeightStashManager(model, depth=max(args.simulated_delay, 1), predict=predict)
+        self.optimizer = optimizer
+        return DelayedStepOptimizer(optimizer, self, load_stash=bool(resumed.get(STASH_KEY)) and in_optimizer,
+                                    load_stale_norm=bool(resumed.get(STALE_NORM_KEY)) and in_optimizer)
 
-def start_stop_agreement(args) -> None:
-    """Under 2bw with --exit-signal-handler or --exit-duration-in-mins: the group every
-    rank agrees on its stop iteration over (pipeline/stop_agreement.py), made before
-    training, where every rank is."""
-    if not delayed_runtime(args.pipeline_schedule) or not (args.exit_signal_handler or args.exit_duration_in_mins):
-        return
-    from megatron_async.pipeline.stop_agreement import StopAgreement
+    def start_stop_agreement(self, args) -> None:
+        """Under 2bw with --exit-signal-handler or --exit-duration-in-mins: the group every
+        rank agrees on its stop iteration over (pipeline/stop_agreement.py), made before
+        training, where every rank is."""
+        if not delayed_runtime(args.pipeline_schedule) or not (args.exit_signal_handler or args.exit_duration_in_mins):
+            return
+        from megatron_async.pipeline.stop_agreement import StopAgreement
 
-    # a host group: its codes are CPU scalars, so it adds no GPU kernel and no device sync to an
-    # iteration, and Megatron's whole-device waits at step ends do not wait for the slowest stage
-    group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())), backend="gloo")
-    STATE.stop = StopAgreement(group, torch.device("cpu"))
+        # a host group: its codes are CPU scalars, so it adds no GPU kernel and no device sync to an
+        # iteration, and Megatron's whole-device waits at step ends do not wait for the slowest stage
+        group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())), backend="gloo")
+        self.stop = StopAgreement(group, torch.device("cpu"))
+
+    def start_from_checkpoint(self, args) -> None:
+        """Before the first step the stash holds the weights training starts from.
+
+        A stash restored from the checkpoint is at --load's iteration. Otherwise (a fresh
+        start, a 1F1B checkpoint, --no-load-optim, --finetune, --pretrained-checkpoint)
+        every stashed version becomes a copy of the live weights as loaded: the stash was
+        filled when the optimizer was built, before Megatron loaded any checkpoint. One the
+        checkpoint promises but did not give back is an error, never a silent start."""
+        stash = self.stash
+        if stash.restored and stash.newest == args.iteration:
+            return
+        if self.resumed.get(STASH_KEY) and not (args.no_load_optim or args.finetune):
+            from megatron_async.megatron_lm.side_state import CheckpointStateError
+
+            raise CheckpointStateError(
+                f"megatron-async: the checkpoint in {self.resumed.get('loaded_from')} says it holds the 2bw weight "
+                f"stash, but it was not restored (stash at step {stash.newest}, run at iteration {args.iteration}). "
+                "A checkpoint saved with --ckpt-format torch by an older megatron-async lacks it: delete its "
+                "megatron_async.json to resume with both weight versions equal")
+        loaded = not stash.holds_live()  # a checkpoint load changed the weights after the stash copied them
+        stash.start_equal_at(args.iteration)
+        if (loaded or self.resumed.get(STASH_KEY)) and torch.distributed.get_rank() == 0:
+            if args.finetune:  # Megatron sets it for --pretrained-checkpoint too
+                why = "--finetune: the checkpoint's weights are loaded without a weight stash"
+            elif args.no_load_optim and self.resumed.get(STASH_KEY):
+                why = "--no-load-optim: the checkpoint's weight stash is not loaded"
+            else:
+                why = "the checkpoint holds no weight stash"
+            print(f"megatron-async: {why}; both weight versions start equal, at the loaded weights "
+                  f"(iteration {args.iteration})", flush=True)
+
+    def saved_contents_marker(self) -> dict:
+        """What a checkpoint of this run holds of ours (megatron_async.json, written next to it):
+        nothing without a stash or with --no-save-optim; otherwise where the per-rank state
+        lives (inside the optimizer's sharded state dict for torch_dist, in per-rank files
+        otherwise) and the layout it was saved at."""
+        from megatron.training import get_args
+
+        from megatron_async.megatron_lm.side_state import layout
+
+        args = get_args()
+        if self.stash is None or args.no_save_optim:
+            return {}
+        return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
+                "delay_correction_rule": args.delay_correction,
+                STALE_NORM_KEY: self.stale_norm is not None,
+                "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
+                "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
+                # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
+                "embedding_copy_linked": delayed_runtime(args.pipeline_schedule) and (
+                    not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)),
+                "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
+
+    def per_rank_state(self) -> dict:
+        """This rank's 2bw state for a per-rank file: stash, delay correction, stale global norm."""
+        state = {STASH_KEY: self.stash.state_dict()}
+        correction = getattr(self.optimizer, "delay_correction", None)
+        if correction is not None:
+            state["delay_correction"] = correction.state_dict()
+        if self.stale_norm is not None:
+            state[STALE_NORM_KEY] = self.stale_norm.state_dict()
+        return state
+
+    def load_per_rank_state(self, state: dict) -> None:
+        self.stash.load_state_dict(state[STASH_KEY])
+        correction = getattr(self.optimizer, "delay_correction", None)
+        if correction is not None and "delay_correction" in state:
+            correction.load_state_dict(state["delay_correction"])
+        if self.stale_norm is not None and STALE_NORM_KEY in state:
+            self.stale_norm.load_state_dict(state[STALE_NORM_KEY])
+
+    def _runner(self, model_chunk, forward_step_func):
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.utils import get_model_config
+        from megatron.training import get_args
+
+        from megatron_async.schedules.registry import get_runtime
+
+        if self.runner is None:
+            args = get_args()
+            config = get_model_config(model_chunk)
+            self.start_from_checkpoint(args)
+            self.step = args.iteration
+            self.runner = get_runtime(args.pipeline_schedule)(
+                [model_chunk], None, get_num_microbatches(), args.train_iters,
+                activation_shape=_activation_shape(args, config),
+                dtype=config.pipeline_dtype or args.params_dtype,
+                forward_step_func=forward_step_func,
+                data_for=lambda _k: self.data_iterator,
+                start_batch=args.iteration,
+                stash=self.stash,
+                finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
+                clip_grad_mode=args.clip_grad_mode,
+                stale_norm=self.stale_norm,
+                on_batch_start=snapshot_rng,
+            )
+        return self.runner
+
+    def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
+                         **_unused):
+        """Megatron's forward-backward signature, for the registry's delayed runtime (2bw)."""
+        runner = self._runner(_single(model), forward_step_func)
+        data_iterator = _single(data_iterator)
+        if forward_only:  # evaluation, on its own process group at the newest weights
+            return runner.evaluate_iterators(itertools.repeat(data_iterator, num_microbatches))
+        self.data_iterator = data_iterator
+        reports, _ = runner.train_step(self.step)
+        self.step += 1
+        return reports
+
+    def simulated_delay(self, forward_backward):
+        """Megatron's schedule run at the weights of the configured delay (PP=1)."""
+        from megatron.training import get_args
+
+        def run(*, model, forward_only=False, **kwargs):
+            stash = self.stash
+            if forward_only:
+                stash.point_to(stash.newest)
+                return forward_backward(model=model, forward_only=True, **kwargs)
+            if self.version_for is None:
+                from megatron_async.corrections.simulated_delay import version_for_step
+
+                args = get_args()
+                chunks = model if isinstance(model, list) else [model]
+                delays = args.simulated_stage_delays or (args.simulated_delay,)
+                self.version_for = version_for_step(chunks, stash, delays, args.num_layers)
+                self.step = args.iteration
+                self.start_from_checkpoint(args)
+            # Megatron's schedule runs the whole batch between two steps: no saved-tensor hooks needed
+            with stash.use(self.version_for(self.step), hooks=False):
+                out = forward_backward(model=model, **kwargs)
+            self.step += 1
+            return out
+
+        return run
+
+    def drain(self) -> None:
+        """Before a checkpoint save: no point-to-point send stays unmatched over it."""
+        if self.runner is not None:
+            self.runner.drain()
+
+    def finish(self) -> None:
+        """Run the trailing actions of the 2bw pipeline so no neighbour waits on us (at the
+        end of --train-iters, and at every exit Megatron takes out of train: --exit-interval
+        with or without --save, its other sys.exit paths), and wait out the stop agreement's
+        codes still posted (every rank stops after the same iteration, so all posted the same)."""
+        if self.runner is not None:
+            self.runner.finish()
+        if self.stop is not None:
+            self.stop.settle()
+
+    def abandon(self) -> None:
+        """Training raised: this rank's posted sends were received by now unless a neighbour
+        is gone; wait for them (at most ABANDON_WAIT_S each), say how many were not, and
+        leave the exception to end the job."""
+        if self.runner is None:
+            return
+        lost = self.runner.abandon(ABANDON_WAIT_S)
+        if lost:
+            print(f"megatron-async: stage {pipeline_stage()}: {lost} point-to-point send(s) to a neighbour stage "
+                  "were never received (it stopped too); the job ends without them", flush=True)
 
 
 def note_early_stop(iteration: int, reason: str, saved: bool) -> None:
@@ -183,112 +359,9 @@ def local_stop_code(args) -> int:
     return GO_ON
 
 
-def start_from_checkpoint(args) -> None:
-    """Before the first step the stash holds the weights training starts from.
-
-    A stash restored from the checkpoint is at --load's iteration. Otherwise (a fresh
-    start, a 1F1B checkpoint, --no-load-optim, --finetune, --pretrained-checkpoint)
-    every stashed version becomes a copy of the live weights as loaded: the stash was
-    filled when the optimizer was built, before Megatron loaded any checkpoint. One the
-    checkpoint promises but did not give back is an error, never a silent start."""
-    stash = STATE.stash
-    if stash.restored and stash.newest == args.iteration:
-        return
-    if STATE.resumed.get(STASH_KEY) and not (args.no_load_optim or args.finetune):
-        from megatron_async.megatron_lm.side_state import CheckpointStateError
-
-        raise CheckpointStateError(
-            f"megatron-async: the checkpoint in {STATE.resumed.get('loaded_from')} says it holds the 2bw weight "
-            f"stash, but it was not restored (stash at step {stash.newest}, run at iteration {args.iteration}). "
-            "A checkpoint saved with --ckpt-format torch by an older megatron-async lacks it: delete its "
-            "megatron_async.json to resume with both weight versions equal")
-    loaded = not stash.holds_live()  # a checkpoint load changed the weights after the stash copied them
-    stash.start_equal_at(args.iteration)
-    if (loaded or STATE.resumed.get(STASH_KEY)) and torch.distributed.get_rank() == 0:
-        if args.finetune:  # Megatron sets it for --pretrained-checkpoint too
-            why = "--finetune: the checkpoint's weights are loaded without a weight stash"
-        elif args.no_load_optim and STATE.resumed.get(STASH_KEY):
-            why = "--no-load-optim: the checkpoint's weight stash is not loaded"
-        else:
-            why = "the checkpoint holds no weight stash"
-        print(f"megatron-async: {why}; both weight versions start equal, at the loaded weights "
-              f"(iteration {args.iteration})", flush=True)
-
-
-def saved_contents_marker() -> dict:
-    """What a checkpoint of this run holds of ours (megatron_async.json, written next to it):
-    nothing without a stash or with --no-save-optim; otherwise where the per-rank state
-    lives (inside the optimizer's sharded state dict for torch_dist, in per-rank files
-    otherwise) and the layout it was saved at."""
-    from megatron.training import get_args
-
-    from megatron_async.megatron_lm.side_state import layout
-
-    args = get_args()
-    if STATE.stash is None or args.no_save_optim:
-        return {}
-    return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
-            "delay_correction_rule": args.delay_correction,
-            STALE_NORM_KEY: STATE.stale_norm is not None,
-            "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
-            "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
-            # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
-            "embedding_copy_linked": delayed_runtime(args.pipeline_schedule) and (
-                not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)),
-            "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
-
-
 def per_rank_state_home(ckpt_format: str) -> str:
     """Where a checkpoint of this format keeps our per-rank state."""
     return "optimizer" if ckpt_format == "torch_dist" else "files"
-
-
-def per_rank_state() -> dict:
-    """This rank's 2bw state for a per-rank file: stash, delay correction, stale global norm."""
-    state = {STASH_KEY: STATE.stash.state_dict()}
-    correction = getattr(STATE.optimizer, "delay_correction", None)
-    if correction is not None:
-        state["delay_correction"] = correction.state_dict()
-    if STATE.stale_norm is not None:
-        state[STALE_NORM_KEY] = STATE.stale_norm.state_dict()
-    return state
-
-
-def load_per_rank_state(state: dict) -> None:
-    STATE.stash.load_state_dict(state[STASH_KEY])
-    correction = getattr(STATE.optimizer, "delay_correction", None)
-    if correction is not None and "delay_correction" in state:
-        correction.load_state_dict(state["delay_correction"])
-    if STATE.stale_norm is not None and STALE_NORM_KEY in state:
-        STATE.stale_norm.load_state_dict(state[STALE_NORM_KEY])
-
-
-def _runner(model_chunk, forward_step_func):
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.utils import get_model_config
-    from megatron.training import get_args
-
-    from megatron_async.schedules.registry import get_runtime
-
-    if STATE.runner is None:
-        args = get_args()
-        config = get_model_config(model_chunk)
-        start_from_checkpoint(args)
-        STATE.step = args.iteration
-        STATE.runner = get_runtime(args.pipeline_schedule)(
-            [model_chunk], None, get_num_microbatches(), args.train_iters,
-            activation_shape=_activation_shape(args, config),
-            dtype=config.pipeline_dtype or args.params_dtype,
-            forward_step_func=forward_step_func,
-            data_for=lambda _k: STATE.data_iterator,
-            start_batch=args.iteration,
-            stash=STATE.stash,
-            finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
-            clip_grad_mode=args.clip_grad_mode,
-            stale_norm=STATE.stale_norm,
-            on_batch_start=snapshot_rng,
-        )
-    return STATE.runner
 
 
 def _activation_shape(args, config) -> tuple:
@@ -308,78 +381,6 @@ def _single(x):
     return x[0] if isinstance(x, list) else x
 
 
-def two_bw_forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
-                            **_unused):
-    """Megatron's forward-backward signature, for `--pipeline-schedule 2bw`."""
-    runner = _runner(_single(model), forward_step_func)
-    data_iterator = _single(data_iterator)
-    if forward_only:  # evaluation, on its own process group at the newest weights
-        return runner.evaluate_iterators(itertools.repeat(data_iterator, num_microbatches))
-    STATE.data_iterator = data_iterator
-    reports, _ = runner.train_step(STATE.step)
-    STATE.step += 1
-    return reports
-
-
-def simulated_delay(forward_backward):
-    """Megatron's schedule run at the weights of the configured delay (PP=1)."""
-    from megatron.training import get_args
-
-    def run(*, model, forward_only=False, **kwargs):
-        stash = STATE.stash
-        if forward_only:
-            stash.point_to(stash.newest)
-            return forward_backward(model=model, forward_only=True, **kwargs)
-        if STATE.version_for is None:
-            from megatron_async.corrections.simulated_delay import version_for_step
-
-            args = get_args()
-            chunks = model if isinstance(model, list) else [model]
-            delays = args.simulated_stage_delays or (args.simulated_delay,)
-            STATE.version_for = version_for_step(chunks, stash, delays, args.num_layers)
-            STATE.step = args.iteration
-            start_from_checkpoint(args)
-        # Megatron's schedule runs the whole batch between two steps: no saved-tensor hooks needed
-        with stash.use(STATE.version_for(STATE.step), hooks=False):
-            out = forward_backward(model=model, **kwargs)
-        STATE.step += 1
-        return out
-
-    return run
-
-
-def drain() -> None:
-    """Before a checkpoint save: no point-to-point send stays unmatched over it."""
-    if STATE.runner is not None:
-        STATE.runner.drain()
-
-
-def finish() -> None:
-    """Run the trailing actions of the 2bw pipeline so no neighbour waits on us (at the
-    end of --train-iters, and at every exit Megatron takes out of train: --exit-interval
-    with or without --save, its other sys.exit paths), and wait out the stop agreement's
-    codes still posted (every rank stops after the same iteration, so all posted the same)."""
-    if STATE.runner is not None:
-        STATE.runner.finish()
-    if STATE.stop is not None:
-        STATE.stop.settle()
-
-
-ABANDON_WAIT_S = 30.0
-
-
-def abandon() -> None:
-    """Training raised: this rank's posted sends were received by now unless a neighbour
-    is gone; wait for them (at most ABANDON_WAIT_S each), say how many were not, and
-    leave the exception to end the job."""
-    if STATE.runner is None:
-        return
-    lost = STATE.runner.abandon(ABANDON_WAIT_S)
-    if lost:
-        print(f"megatron-async: stage {pipeline_stage()}: {lost} point-to-point send(s) to a neighbour stage were "
-              "never received (it stopped too); the job ends without them", flush=True)
-
-
 def stage_group():
     """The ranks of this pipeline stage (tensor x data x context parallel)."""
     return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
@@ -387,6 +388,11 @@ def stage_group():
 
 def pipeline_stage() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def is_delayed(args) -> bool:
+    """Delayed weights: the registry's delayed runtime (2bw) or --simulated-delay."""
+    return delayed_runtime(getattr(args, "pipeline_schedule", None)) or bool(getattr(args, "simulated_delay", 0))
 
 
 def is_two_bw() -> bool:

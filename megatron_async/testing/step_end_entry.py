@@ -64,28 +64,28 @@ def _old_step_end() -> None:
 
 def _old_exit_paths() -> None:
     """finish only when train returned normally; nothing when it raised or exited."""
-    from megatron_async.megatron_lm import runtime
+    from megatron_async.megatron_lm.runtime import DelayedRun
 
-    finish = runtime.finish
+    finish = DelayedRun.finish
 
-    def finish_unless_leaving():
+    def finish_unless_leaving(self):
         if sys.exc_info()[0] is None:
-            finish()
+            finish(self)
 
-    runtime.finish = finish_unless_leaving
-    runtime.abandon = lambda: None
+    DelayedRun.finish = finish_unless_leaving
+    DelayedRun.abandon = lambda self: None
 
 
 def _old_stash_start() -> None:
-    from megatron_async.megatron_lm import runtime
+    from megatron_async.megatron_lm.runtime import DelayedRun
 
-    start = runtime.start_from_checkpoint
+    start = DelayedRun.start_from_checkpoint
 
-    def start_unless_at_the_iteration(args):
-        if runtime.STATE.stash.newest != args.iteration:
-            start(args)
+    def start_unless_at_the_iteration(self, args):
+        if self.stash.newest != args.iteration:
+            start(self, args)
 
-    runtime.start_from_checkpoint = start_unless_at_the_iteration
+    DelayedRun.start_from_checkpoint = start_unless_at_the_iteration
 
 
 def _old_load_exit() -> None:

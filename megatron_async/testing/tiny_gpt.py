@@ -256,7 +256,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        # as runtime.simulated_delay: the whole batch runs between two steps, so no saved-tensor hooks
+        # as DelayedRun.simulated_delay: the whole batch runs between two steps, so no saved-tensor hooks
         with (stash.use(version(iteration), hooks=False) if stash else contextlib.nullcontext()):
             reduced = forward_backward(
                 forward_step_func=gpt_forward_step,

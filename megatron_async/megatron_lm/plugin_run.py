@@ -1,0 +1,63 @@
+"""What megatron-async holds for one Megatron training run, and the one way the hooks reach it.
+
+A `PluginRun` is made in the optimizer hook (the first hook that runs once per run, with
+its model and before its optimizer), and carried by Megatron's own `args` object, which
+lives exactly as long as the run. It owns the delayed run's state (runtime.DelayedRun,
+under 2bw or --simulated-delay), the --metrics-json recorder and the MoE routing
+counts. Two runs in one process share nothing of it. What belongs to the process, not a
+run, stays with the process: the hooks installed into Megatron's modules (hooks.py), the
+launcher watch (launcher_watch.py) and the --save locks' file descriptors, which a fork
+handler must find (save_lock.py). Megatron pickles `args` into every checkpoint: a
+PluginRun pickles as an empty set, so nothing of it is saved there and `current()` of a
+loaded args object is None.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+RUN_ATTR = "megatron_async_run"
+
+
+class PluginRun:
+    def __init__(self, delayed: bool):
+        from megatron_async.megatron_lm.metrics import MetricsRecorder
+        from megatron_async.megatron_lm.moe_routing import RoutingCounts
+        from megatron_async.megatron_lm.runtime import DelayedRun
+
+        self.delayed = DelayedRun() if delayed else None
+        self.metrics = MetricsRecorder()
+        self.routing = RoutingCounts()
+
+    def __reduce__(self):
+        # saved as an empty set: nothing of the run, and a value torch's weights-only loader
+        # (which Megatron loads checkpoints with) rebuilds without importing our code
+        return (set, ())
+
+    def __repr__(self) -> str:
+        return f"PluginRun(delayed={self.delayed is not None})"
+
+
+def start(args) -> PluginRun:
+    """This run's object, made once (a second call returns the first)."""
+    from megatron_async.megatron_lm.runtime import is_delayed
+
+    run = current(args)
+    if run is None:
+        run = PluginRun(delayed=is_delayed(args))
+        setattr(args, RUN_ATTR, run)
+    return run
+
+
+def current(args=None) -> Optional[PluginRun]:
+    """The run's object, or None before the optimizer hook made it (or outside Megatron's loop)."""
+    if args is None:
+        from megatron.training.global_vars import _GLOBAL_ARGS as args  # None before Megatron parsed its flags
+    run = getattr(args, RUN_ATTR, None) if args is not None else None
+    return run if isinstance(run, PluginRun) else None
+
+
+def delayed(args=None):
+    """This run's DelayedRun, or None (a synchronous run, or no run yet)."""
+    run = current(args)
+    return run.delayed if run is not None else None
