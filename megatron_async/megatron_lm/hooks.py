@@ -98,6 +98,7 @@ def _get_megatron_optimizer(original):
         if run.delayed is None:
             return original(config, model_chunks, *args, **kwargs)
         run.delayed.start_stop_agreement(margs)
+        run.delayed.start_moe_metrics_group(margs)
         return run.delayed.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
 
     return hooked
@@ -465,27 +466,21 @@ def _compile_helpers(original):
 def _moe_metrics_sync(original):
     """Under 2bw, the MoE metrics (aux loss, ...) of this stage's layers only: Megatron
     sums them over the pipeline group every logged iteration, a collective across
-    stages. The reductions inside the stage (tensor, expert, data parallel) stay."""
+    stages. Its own argument for the groups (`pg_collection`) gets this rank alone as the
+    pipeline group (made before training, DelayedRun.start_moe_metrics_group); the
+    reductions inside the stage (tensor, expert, data parallel) stay."""
 
     @functools.wraps(original)
     def hooked(self, metric_names, pg_collection=None):
-        if not runtime.is_two_bw():
+        delayed = plugin_run.delayed()
+        if delayed is None or delayed.rank_only_group is None:
             return original(self, metric_names, pg_collection)
-        from megatron.core import parallel_state
+        import copy
+        from types import SimpleNamespace
 
-        pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
-        all_reduce = torch.distributed.all_reduce
-
-        def stage_local(tensor, *args, group=None, **kwargs):
-            if group is pp_group:
-                return None
-            return all_reduce(tensor, *args, group=group, **kwargs)
-
-        torch.distributed.all_reduce = stage_local
-        try:
-            return original(self, metric_names, pg_collection)
-        finally:
-            torch.distributed.all_reduce = all_reduce
+        stage_only = copy.copy(pg_collection) if pg_collection is not None else SimpleNamespace()
+        stage_only.pp = delayed.rank_only_group
+        return original(self, metric_names, stage_only)
 
     return hooked
 

@@ -119,6 +119,7 @@ class DelayedRun:
         self.resumed: dict = {}
         self.stop = None
         self.marker_due = None  # a torch_dist marker written when Megatron names its tracker
+        self.rank_only_group = None  # under 2bw with MoE: the "pipeline group" of Megatron's MoE metrics
 
     def wrap_optimizer(self, model, optimizer):
         """Right after Megatron builds the optimizer, before it loads a checkpoint:
@@ -167,6 +168,14 @@ class DelayedRun:
         # iteration, and Megatron's whole-device waits at step ends do not wait for the slowest stage
         group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())), backend="gloo")
         self.stop = StopAgreement(group, torch.device("cpu"))
+
+    def start_moe_metrics_group(self, args) -> None:
+        """Under 2bw with MoE layers: a group of this rank alone, which Megatron's MoE metrics
+        sync is given as its pipeline group, so its metrics stay inside the stage. Made here,
+        before training, where every rank is (every rank takes part in making each group)."""
+        if not delayed_runtime(args.pipeline_schedule) or not args.num_experts:
+            return
+        self.rank_only_group, _ = torch.distributed.new_subgroups(group_size=1)
 
     def start_from_checkpoint(self, args) -> None:
         """Before the first step the stash holds the weights training starts from.

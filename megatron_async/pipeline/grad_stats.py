@@ -13,8 +13,8 @@ points each (sub-)optimizer at the ranks of its own stage instead:
   holds a shard of the reduced gradient);
 - Megatron's layer-wise distributed optimizer (emerging optimizers such as Muon
   with --use-distributed-optimizer): the same ranks, since each DP rank owns whole
-  parameters. It reduces over all ranks (group=None) in its own methods, so those
-  methods are replaced on the instance.
+  parameters. It reduces over all ranks (group=None) in its own methods, which a
+  subclass (`_StageLocalStatistics` mixed into the optimizer's class) points at the stage.
 
 Clipping with `--clip-grad` then uses the stage's own gradient norm
 (`--clip-grad-mode stage-local`).
@@ -63,42 +63,56 @@ def make_stage_local(optimizer, distributed: bool) -> None:
         _layer_wise_stage_local(optimizer, group)
 
 
-def _layer_wise_stage_local(optimizer, group) -> None:
-    """Point LayerWiseDistributedOptimizer's world-wide norm, group check and zero
-    count at `group`. The norm goes through optimizer.get_grad_norm_fp32, looked up
-    at call time, so `--clip-grad-mode stale-global` sees these calls too."""
-    import types
+class _StageLocalStatistics:
+    """Megatron's layer-wise distributed optimizer with its gradient norm, grad-norm group
+    check and zero count over `stage_group` (the ranks of one pipeline stage), where
+    Megatron-Core 0.19.2 reduces over the world (group=None, layer_wise_optimizer.py)
+    and offers no setting for it. Its methods go into a subclass of the optimizer's class; the norm goes
+    through optimizer.get_grad_norm_fp32, looked up at call time, so
+    `--clip-grad-mode stale-global` sees these calls too."""
 
-    import torch
-    from megatron.core.optimizer import optimizer as mcore_optimizer
-    from megatron.core.optimizer.clip_grads import count_zeros_fp32
+    def get_grad_norm(self):
+        return self._get_grad_norm_for_group(None)
 
-    def norm_of(self, grad_norm_group=None):
+    def _get_grad_norm_for_group(self, grad_norm_group=None):
+        from megatron.core.optimizer import optimizer as mcore_optimizer
+
         grads = []
         for sub in self.chained_optimizers:
             grads += (sub.get_grads_for_grad_norm() if grad_norm_group is None
                       else sub.get_grads_for_grad_norm(grad_norm_group))
-        return mcore_optimizer.get_grad_norm_fp32(grads, grad_stats_parallel_group=group)
+        return mcore_optimizer.get_grad_norm_fp32(grads, grad_stats_parallel_group=self.stage_group)
 
-    def has_grad_norm_group(self, grad_norm_group):
+    def has_grad_norm_group(self, grad_norm_group) -> bool:
+        import torch
+        from megatron.core.optimizer import optimizer as mcore_optimizer
+
         cache = self.__dict__.setdefault("_stage_grad_norm_groups", {})
         if grad_norm_group not in cache:
             local = any(getattr(p, mcore_optimizer.GRAD_NORM_GROUP_ATTR, None) == grad_norm_group
                         for sub in self.chained_optimizers for p in sub.get_parameters())
             flag = torch.tensor([int(local)], dtype=torch.int, device="cuda")
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.stage_group)
             cache[grad_norm_group] = bool(flag.item())
         return cache[grad_norm_group]
 
     def count_zeros(self):
+        from megatron.core.optimizer.clip_grads import count_zeros_fp32
+
         params = [p for sub in self.chained_optimizers for p in sub.get_parameters()]
-        return count_zeros_fp32(params, grad_stats_parallel_group=group,
+        return count_zeros_fp32(params, grad_stats_parallel_group=self.stage_group,
                                 use_decoupled_grad=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
-    optimizer.get_grad_norm = types.MethodType(lambda self: norm_of(self), optimizer)
-    optimizer._get_grad_norm_for_group = types.MethodType(norm_of, optimizer)
-    optimizer.has_grad_norm_group = types.MethodType(has_grad_norm_group, optimizer)
-    optimizer.count_zeros = types.MethodType(count_zeros, optimizer)
+
+def _layer_wise_stage_local(optimizer, group) -> None:
+    """The optimizer becomes an instance of a subclass of its class with _StageLocalStatistics'
+    methods (isinstance of Megatron's class still holds; its state is untouched)."""
+    base = type(optimizer)
+    # a plain subclass of the optimizer's class with these methods (a mixin base would change the
+    # instance layout Python checks on a class change)
+    methods = {name: value for name, value in vars(_StageLocalStatistics).items() if callable(value)}
+    optimizer.__class__ = type(f"StageLocal{base.__name__}", (base,), {**methods, "__doc__": _StageLocalStatistics.__doc__})
+    optimizer.stage_group = group
 
 
 def stage_of_parameter(name: str, num_layers: int, num_stages: int) -> int:
