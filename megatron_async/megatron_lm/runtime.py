@@ -14,7 +14,6 @@ weights of K steps ago: the reference 2bw must equal.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from functools import partial
 
@@ -23,7 +22,7 @@ from megatron.core import parallel_state
 
 from megatron_async.corrections.delay_correction import RULES
 from megatron_async.megatron_lm.checkpoint import snapshot_rng
-from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
+from megatron_async.pipeline.delayed_step import delayed_optimizer_step
 from megatron_async.schedules.registry import delayed_runtime
 
 STASH_KEY = "weight_stash"
@@ -86,19 +85,8 @@ class DelayedStepOptimizer:
     def step(self):
         from megatron.training import get_args
 
-        stale, runner = self.run.stale_norm, self.run.runner
-        if runner is not None:
-            runner.before_optimizer_step()  # tied embeddings: the last stage installs the newest weights
-        with self.stash.optimizer_step(), stale.step() if stale else contextlib.nullcontext():
-            update_ok, grad_norm, zeros = self.optimizer.step()
-        if runner is not None:
-            runner.after_optimizer_step()  # tied embeddings: the first stage sends them
-        if update_ok:
-            grad_norm = step_grad_norm(self.optimizer, grad_norm)
-            check_finite(get_args().curr_iteration + 1, parallel_state.get_pipeline_model_parallel_rank(), grad_norm)
-        # Megatron aliases param.grad to DDP's main_grad during the step; clear it.
-        self.optimizer.zero_grad()
-        return update_ok, grad_norm, zeros
+        return delayed_optimizer_step(self.optimizer, self.stash, self.run.stale_norm, self.run.runner,
+                                      get_args().curr_iteration + 1, parallel_state.get_pipeline_model_parallel_rank())
 
 
 class DelayedRun:

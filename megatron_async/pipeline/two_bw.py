@@ -13,14 +13,14 @@ did, so the trajectories are equal.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Iterable, Iterator
 
 import torch
 from megatron.core import parallel_state
 
 from megatron_async.pipeline.executor import StageExecutor
-from megatron_async.pipeline.non_finite import LossFlag, check_finite, report_losses, step_grad_norm
+from megatron_async.pipeline.delayed_step import delayed_optimizer_step
+from megatron_async.pipeline.non_finite import LossFlag, check_finite, report_losses
 from megatron_async.pipeline.p2p import duplicate_pipeline_group, first_last_group, stage_links
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
 from megatron_async.pipeline.tied_embeddings import link_for, ties_across_stages
@@ -102,18 +102,9 @@ class TwoBWRunner:
             self.tied.exchange_grads()
         if self.optimizer is None:
             return None  # Megatron's train_step steps next (DelayedStepOptimizer calls the two hooks below)
-        self.before_optimizer_step()
-        with self.stash.optimizer_step():
-            with self.stale_norm.step() if self.stale_norm else contextlib.nullcontext():
-                update_ok, grad_norm, zeros = self.optimizer.step()
-        self.after_optimizer_step()
-        grad_norm = step_grad_norm(self.optimizer, grad_norm)
-        check_finite(step + 1, self.links.stage, grad_norm)
-        # Megatron's optimizer aliases param.grad to DDP's main_grad during the step;
-        # clear it, or the next backward would accumulate into main_grad twice.
-        self.optimizer.zero_grad()
-        self.model.zero_grad_buffer()
-        return update_ok, grad_norm, zeros
+        result = delayed_optimizer_step(self.optimizer, self.stash, self.stale_norm, self, step + 1, self.links.stage)
+        self.model.zero_grad_buffer()  # Megatron's train_step does this on the other path
+        return result
 
     def before_optimizer_step(self) -> None:
         """Right before the optimizer step (and the stash's snapshot of the live weights)."""

@@ -1,0 +1,30 @@
+"""The delayed optimizer step, in one place for both callers: Megatron's optimizer wrap
+(megatron_lm/runtime.DelayedStepOptimizer, inside Megatron's train_step) and the 2bw
+runner stepping its own optimizer (pipeline/two_bw.TwoBWRunner, the small trainer of the
+tests)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
+
+
+def delayed_optimizer_step(optimizer, stash, stale_norm, runner, iteration: int, stage: int):
+    """The tied link's newest weights installed (runner.before_optimizer_step), the stash's
+    snapshot of the live weights around the step (with the stale global norm's), the tied
+    link's send (runner.after_optimizer_step), this stage's gradient norm checked finite
+    (NonFiniteError naming `iteration` and `stage`), and .grad cleared: Megatron aliases it
+    to DDP's main_grad during the step, and the next backward would accumulate twice.
+    Returns the optimizer's (update_ok, grad_norm, zeros)."""
+    if runner is not None:
+        runner.before_optimizer_step()
+    with stash.optimizer_step(), stale_norm.step() if stale_norm else contextlib.nullcontext():
+        update_ok, grad_norm, zeros = optimizer.step()
+    if runner is not None:
+        runner.after_optimizer_step()
+    if update_ok:
+        grad_norm = step_grad_norm(optimizer, grad_norm)
+        check_finite(iteration, stage, grad_norm)
+    optimizer.zero_grad()
+    return update_ok, grad_norm, zeros
