@@ -11,6 +11,16 @@ and the pipeline schedules work in CPU smoke runs and CI.
 It is activated explicitly (``activate()``, ``--device cpu``) or by ``auto`` when CUDA
 is absent, and refuses to activate when CUDA is present: nothing here ever changes a
 GPU run. Each patch names the Megatron-Core code that needs it.
+
+Shipped in the wheel because user-facing commands need it on a machine without CUDA,
+where they call ``setup_device("auto")``: the launcher (``python -m megatron_async.launch``,
+``megatron-async-pretrain``), which ``make demo`` (examples/demo.sh: 2bw on two CPU
+processes) and the CI smoke inside the image (``make image-smoke``: docker/image.sh runs
+the same script in the image) run, as do the local Slurm cluster's CPU ranks
+(examples/slurm/rank_command.sh, ``make test-cluster``); and the command-line check
+(``megatron_async.check_flags``) and the planner (``megatron_async.planning.plan``,
+through check_flags.prepare), which parse a command line with Megatron's own code. The
+test harness (tests/support/) activates it too, but is not what keeps it in the package.
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ behaviours of NCCL under torch's ProcessGroupNCCL (torch 2.13) matter to a pipel
 Batched operations (`batch_isend_irecv`) use the group's communicator in both modes,
 like a collective, and take part in neither pair rule. Groups made with an explicit
 `backend="gloo"` are host groups (CPU tensors, no device work) on NCCL clusters too.
+
+Shipped with cpu.py, which installs it whenever the emulation activates: every command
+that runs the emulation (``make demo``, the image's CI smoke ``make image-smoke``, the
+launcher on a machine without CUDA) runs these rules, so a CPU run fails where a GPU
+run would hang.
 """
 
 from __future__ import annotations

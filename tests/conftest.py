@@ -23,12 +23,12 @@ def module_text(name: str) -> str:
 @pytest.fixture(scope="session", autouse=True)
 def mock_data_cache(tmp_path_factory):
     """One folder per pytest worker for the index of Megatron's mock dataset (built once
-    per configuration instead of once per rank and run: testing/warm_launch.py); removed
+    per configuration instead of once per rank and run: tests/support/warm_launch.py); removed
     at the end, as the index of one configuration takes up to 150 MB."""
     import os
     import shutil
 
-    from megatron_async.testing.warm_launch import MOCK_DATA_CACHE_ENV
+    from tests.support.warm_launch import MOCK_DATA_CACHE_ENV
 
     folder = tmp_path_factory.mktemp("mock_data_cache")
     os.environ[MOCK_DATA_CACHE_ENV] = str(folder)

@@ -20,9 +20,9 @@ if str(ROOT) not in sys.path:
 
 @pytest.fixture(autouse=True)
 def warm_benchmark_ranks(monkeypatch):
-    """The benchmarks' jobs on warm ranks (megatron_async/testing/launch.py's start_torchrun):
+    """The benchmarks' jobs on warm ranks (tests/support/launch.py's start_torchrun):
     these tests check that each benchmark runs and reports, not how fast."""
-    from megatron_async.testing.launch import BENCH_WARM_ENV
+    from tests.support.launch import BENCH_WARM_ENV
 
     monkeypatch.setenv(BENCH_WARM_ENV, "1")
 

@@ -13,7 +13,7 @@ from test_megatron_loop import RESUME, _run
 from test_refusals import BASE
 
 from megatron_async.megatron_lm.checkpoint_guard import resume_problem, unwritable_save
-from megatron_async.testing.refusals import check_in_one_process
+from tests.support.refusals import check_in_one_process
 
 
 def _checkpoints(root, iterations, tracker=None, incomplete=()):
@@ -220,7 +220,7 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
     Megatron's exit passed through, the job exits 0 having trained nothing."""
     import re
 
-    from megatron_async.testing.launch import _torchrun
+    from tests.support.launch import _torchrun
     from test_megatron_loop import CPU, MODEL, TRAIN
 
     copy, torn = _torn_copy(torch_format_checkpoint, tmp_path, ranks)
@@ -240,13 +240,13 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
     # damaged, and with only rank 1's, torchrun named the healthy rank 0 as the root cause
     monkeypatch.setenv("MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT", "1")
     if ranks == (0, 1):  # no root cause to read: warm ranks skip the imports
-        from megatron_async.testing.warm_launch import warm_run
+        from tests.support.warm_launch import warm_run
 
-        proc = warm_run("megatron_async.testing.step_end_entry", argv, 2, 300)
+        proc = warm_run("tests.support.step_end_entry", argv, 2, 300)
         assert proc.returncode == 0, proc.stdout[-4000:]
         assert "could not load the checkpoint" in proc.stdout
     else:
-        proc = _torchrun(["-m", "megatron_async.testing.step_end_entry", *argv], 2, 300, None)
+        proc = _torchrun(["-m", "tests.support.step_end_entry", *argv], 2, 300, None)
         root_cause = proc.stdout[proc.stdout.index("Root Cause"):]
         assert int(re.search(r"rank\s*:\s*(\d+)", root_cause).group(1)) == 0, root_cause
 

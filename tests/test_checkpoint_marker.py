@@ -14,7 +14,7 @@ stash), or the resume is refused.
 from test_checkpoint_guard import TORCH_DIST
 from test_megatron_loop import CPU, MODEL, TRAIN, _logged_losses, _run
 
-from megatron_async.testing.warm_launch import warm_run
+from tests.support.warm_launch import warm_run
 
 TIMEOUT_S = 240
 SAVE = ["--save-interval", "4"]
@@ -22,7 +22,7 @@ SAVE = ["--save-interval", "4"]
 
 def test_a_job_lost_right_after_megatrons_save_leaves_the_marker(tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc = warm_run("megatron_async.testing.step_end_entry",
+    proc = warm_run("tests.support.step_end_entry",
                     ["--gpt", *CPU, *MODEL, *TRAIN, *TORCH_DIST, "--save", str(ckpt), *SAVE], 2, TIMEOUT_S,
                     env={"MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE": "8"})
     assert proc.returncode == 9, proc.stdout[-3000:]

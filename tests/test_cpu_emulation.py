@@ -7,9 +7,9 @@ import torch
 
 from megatron_async import cpu
 from megatron_async.launch import with_cpu_flags
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
-from megatron_async.testing.trajectory import assert_same_trajectory
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT, train_entry
+from tests.support.trajectory import assert_same_trajectory
 
 
 def test_inactive_when_cuda_is_available(monkeypatch):

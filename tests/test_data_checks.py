@@ -14,7 +14,7 @@ from megatron_async.data.checks import (
     max_token_id,
 )
 from megatron_async.data.errors import DataError
-from megatron_async.testing.warm_launch import warm_python
+from tests.support.warm_launch import warm_python
 
 @pytest.fixture(scope="module")
 def vocab300(tmp_path_factory, text_files):

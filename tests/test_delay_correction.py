@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from megatron_async.corrections.delay_correction import DelayCorrection, ErrorFeedbackOptimizer, torch_optimizers
-from megatron_async.testing.launch import torchrun_megatron
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT
-from megatron_async.testing.trajectory import assert_same_trajectory
-from megatron_async.testing.warm_launch import warm_run
+from tests.support.launch import torchrun_megatron
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT
+from tests.support.trajectory import assert_same_trajectory
+from tests.support.warm_launch import warm_run
 
 STEPS = 8
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
@@ -33,7 +33,7 @@ LAYOUT_RTOL, LAYOUT_ATOL, LAYOUT_LOSS_RTOL = 1e-4, 1e-3, 1e-5
 
 def ef_train_entry(rank, world_size, spec, iterations, ef_lambda):
     """tiny_gpt.train with the optimizer wrapped in EF (patched in this rank's process only)."""
-    from megatron_async.testing import tiny_gpt
+    from tests.support import tiny_gpt
 
     plain = tiny_gpt.get_megatron_optimizer
     if ef_lambda is not None:
@@ -209,7 +209,7 @@ def test_trainer_resume_restores_ef_state(tmp_path):
     # (as it did before such a resume was refused: the refusal switched off)
     (ckpt / "iter_0000003" / "megatron_async.json").unlink()
     bare = tmp_path / "bare.jsonl"
-    run = warm_run("megatron_async.testing.step_end_entry",
+    run = warm_run("tests.support.step_end_entry",
                    ["--gpt", *map(str, TRAINER + MUON_EF + ["--load", ckpt, "--metrics-json", bare])], 1, 200,
                    env={"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"})
     assert run.returncode == 0, run.stdout[-4000:]

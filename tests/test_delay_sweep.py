@@ -8,9 +8,9 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def warm_benchmark_ranks(monkeypatch):
-    """The sweep's jobs on warm ranks (megatron_async/testing/launch.py's start_torchrun):
+    """The sweep's jobs on warm ranks (tests/support/launch.py's start_torchrun):
     these tests check what the sweep runs, records and resumes, not how fast."""
-    from megatron_async.testing.launch import BENCH_WARM_ENV
+    from tests.support.launch import BENCH_WARM_ENV
 
     monkeypatch.setenv(BENCH_WARM_ENV, "1")
 

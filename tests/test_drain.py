@@ -11,9 +11,9 @@ still equals its one-step-delay twin (tolerance as tests/test_two_bw.py).
 
 import pytest
 
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, microbatches, train, train_entry
-from megatron_async.testing.trajectory import assert_same_trajectory
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT, microbatches, train, train_entry
+from tests.support.trajectory import assert_same_trajectory
 
 STEPS = 6
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)

@@ -11,7 +11,7 @@ asynchronous-save line with Megatron's queue reporting a save in flight.
 
 import re
 
-from megatron_async.testing.warm_launch import warm_run
+from tests.support.warm_launch import warm_run
 
 from test_megatron_loop import CPU, MODEL, TRAIN
 
@@ -34,7 +34,7 @@ def _loss_events(folder) -> int:
 
 def test_a_non_finite_stop_keeps_every_logged_iteration_in_tensorboard(tmp_path):
     board = tmp_path / "tb"
-    proc = warm_run("megatron_async.testing.step_end_entry",
+    proc = warm_run("tests.support.step_end_entry",
                     ["--gpt", *CPU, *MODEL, *TRAIN, *DIVERGE, "--tensorboard-dir", str(board)], 2, TIMEOUT_S,
                     peers_exit_s=30)
     assert proc.returncode == 3, proc.stdout[-3000:]

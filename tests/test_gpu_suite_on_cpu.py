@@ -44,7 +44,7 @@ time.sleep(120)
 def test_a_run_past_its_timeout_names_the_rank_that_exited():
     """The GPU suite's launcher, on a timeout, says which ranks were still running and
     which had gone, and leaves none behind."""
-    from megatron_async.testing.gpu.launch import run_with_timeout
+    from tests.support.gpu.launch import run_with_timeout
 
     with pytest.raises(TimeoutError) as err:
         run_with_timeout([sys.executable, "-c", _HANGING_LAUNCHER], 4, nproc=3)  # rank 1: a bare interpreter

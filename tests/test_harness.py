@@ -6,7 +6,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron_async.testing.multiprocess import RankError, RanksTimedOut, run_distributed
+from tests.support.multiprocess import RankError, RanksTimedOut, run_distributed
 
 
 def _rank_info(rank, world_size):
@@ -51,10 +51,10 @@ def test_hanging_rank_times_out_and_is_killed():
 def test_warm_launch_stops_the_peers_of_a_failed_rank_and_names_it():
     """torchrun's contract, kept by the tests' launcher: one rank dies, the others are
     stopped, the status is non-zero and the output names the rank."""
-    from megatron_async.testing.warm_launch import warm_run
+    from tests.support.warm_launch import warm_run
 
     start = time.monotonic()
-    proc = warm_run("megatron_async.testing.rank_exit", ["1", "3"], nproc=3, timeout_s=120)
+    proc = warm_run("tests.support.rank_exit", ["1", "3"], nproc=3, timeout_s=120)
     assert time.monotonic() - start < 60  # the peers sleep for an hour unless stopped
     assert proc.returncode == 3, proc.stdout
     assert "rank 1: exiting with 3 on purpose" in proc.stdout
@@ -67,22 +67,22 @@ def test_warm_launch_lets_the_peers_of_a_failed_rank_exit_on_their_own_when_aske
     """With peers_exit_s, a rank that stops a second after its peer exits with its own
     code, as the exit-report tests need (tests/test_step_end_waits.py); without it (the
     negative control) torchrun's rule stops it."""
-    from megatron_async.testing.warm_launch import warm_run
+    from tests.support.warm_launch import warm_run
 
-    own = warm_run("megatron_async.testing.rank_exit", ["1", "3", "1", "4"], nproc=2, timeout_s=60, peers_exit_s=30)
+    own = warm_run("tests.support.rank_exit", ["1", "3", "1", "4"], nproc=2, timeout_s=60, peers_exit_s=30)
     assert own.returncode == 3, own.stdout  # the first rank to fail is the root cause, as in torchrun
     assert "rank 0: exiting with 4 after 1 s" in own.stdout, own.stdout
     assert "rank 0 of 2 failed (exit code 4)" in own.stdout and "stopped" not in own.stdout, own.stdout
-    stopped = warm_run("megatron_async.testing.rank_exit", ["1", "3", "30", "4"], nproc=2, timeout_s=60)
+    stopped = warm_run("tests.support.rank_exit", ["1", "3", "30", "4"], nproc=2, timeout_s=60)
     assert "rank 0 of 2 stopped (signal SIGTERM)" in stopped.stdout, stopped.stdout
     assert "rank 0: exiting" not in stopped.stdout, stopped.stdout
 
 
 def test_warm_launch_times_out_naming_the_ranks_still_running():
-    from megatron_async.testing.warm_launch import warm_run
+    from tests.support.warm_launch import warm_run
 
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 3 s"):
-        warm_run("megatron_async.testing.rank_exit", ["7", "0"], nproc=2, timeout_s=3)  # both sleep
+        warm_run("tests.support.rank_exit", ["7", "0"], nproc=2, timeout_s=3)  # both sleep
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
 
 
@@ -93,9 +93,9 @@ def test_a_warm_jobs_rendezvous_port_is_held_by_its_launcher_from_the_start():
     without a process group: before, the port was free until rank 0 bound it."""
     import socket
 
-    from megatron_async.testing.warm_launch import WarmJob
+    from tests.support.warm_launch import WarmJob
 
-    job = WarmJob("megatron_async.testing.rank_exit", ["7", "0"], 2)
+    job = WarmJob("tests.support.rank_exit", ["7", "0"], 2)
     try:
         with socket.socket() as sock, pytest.raises(OSError, match="in use"):
             sock.bind(("", job.port))
@@ -110,7 +110,7 @@ def test_rendezvous_ports_are_below_the_ephemeral_range():
     import random
     import socket
 
-    from megatron_async.testing.multiprocess import _ephemeral_low, free_port
+    from tests.support.multiprocess import _ephemeral_low, free_port
 
     low = _ephemeral_low()
     if low < 2048:

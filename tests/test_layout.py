@@ -21,7 +21,7 @@ TOP = ("megatron_async/", "bench/", "tests/", "docs/", "examples/", "docker/", "
 FILES = ("Dockerfile", "Makefile", "setup.py", "constraints.txt")
 _PATH = re.compile(r"(?<![\w./-])((?:%s)[\w./-]*|(?:%s))(?![\w/-])" % ("|".join(map(re.escape, TOP)),
                                                                    "|".join(map(re.escape, FILES))))
-_MODULE = re.compile(r"-m ((?:megatron_async|bench)(?:\.\w+)+)")
+_MODULE = re.compile(r"-m ((?:megatron_async|bench|tests)(?:\.\w+)+)")
 _LINK = re.compile(r"\]\(([^)#\s]+)\)")
 
 

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
-from megatron_async.testing.warm_launch import with_mock_data_cache
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT, train_entry
+from tests.support.warm_launch import with_mock_data_cache
 
 
 @pytest.mark.parametrize("pp", [2, 4])

@@ -13,8 +13,8 @@ tests/test_megatron_loop.py's non-finite test.
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT
 
 STEPS = 3
 
@@ -40,7 +40,7 @@ class _HostReads(TorchDispatchMode):
 def _reads_entry(rank, world_size, former):
     from megatron_async.pipeline import two_bw
     from megatron_async.pipeline.non_finite import check_finite, report_losses
-    from megatron_async.testing import tiny_gpt
+    from tests.support import tiny_gpt
 
     real = two_bw.TwoBWRunner.train_step
 

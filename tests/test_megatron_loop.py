@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from megatron_async.testing.warm_launch import warm_run
+from tests.support.warm_launch import warm_run
 
 CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo",
        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
@@ -89,7 +89,7 @@ def _audit(tmp_path, nproc, extra, inject=False, with_async=False, old_exit_chec
     directory = tmp_path / "audit"
     env = {"MEGATRON_ASYNC_AUDIT_DIR": str(directory), "MEGATRON_ASYNC_AUDIT_INJECT": "1" if inject else "0",
            "MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT": "1" if old_exit_checks else "0"}
-    proc, _ = _run(tmp_path, "audit", nproc, extra, module="megatron_async.testing.collective_audit", env=env)
+    proc, _ = _run(tmp_path, "audit", nproc, extra, module="tests.support.collective_audit", env=env)
     assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(nproc)]
     stage = {r["rank"]: r["stage"] for r in ranks}
@@ -157,7 +157,7 @@ def test_audit_catches_an_injected_cross_stage_all_reduce(tmp_path):
 def test_a_refused_flag_stops_every_rank_before_training(tmp_path):
     """Under torchrun a refusal is one line naming the flag and a non-zero exit, before
     any iteration (each refused flag: tests/test_refusals.py)."""
-    from megatron_async.testing.launch import torchrun_megatron
+    from tests.support.launch import torchrun_megatron
 
     # torchrun itself (not warm ranks), in its own session: killed with its ranks on a timeout
     proc = torchrun_megatron([*CPU, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "2",
@@ -181,8 +181,8 @@ def test_install_names_a_missing_megatron_function(monkeypatch):
 
 RESUME = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--ckpt-format", "torch_dist"]
 # the resume tests' negative controls: a checkpoint without its marker resumes without our state,
-# as before such a resume was refused (megatron_async/testing/step_end_entry.py)
-OLD_ENTRY = "megatron_async.testing.step_end_entry"
+# as before such a resume was refused (tests/support/step_end_entry.py)
+OLD_ENTRY = "tests.support.step_end_entry"
 MARKERLESS_RESUME = {"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"}
 
 

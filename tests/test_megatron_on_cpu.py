@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT, train_entry
 
 STEPS = 6
 

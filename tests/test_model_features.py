@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from megatron_async.testing.launch import torchrun_megatron
+from tests.support.launch import torchrun_megatron
 
 ITERS = 6
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

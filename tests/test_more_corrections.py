@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from megatron_async.corrections.delay_correction import DC_BETA, DC_EPS, DelayCorrectedOptimizer
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT
-from megatron_async.testing.trajectory import assert_same_trajectory
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT
+from tests.support.trajectory import assert_same_trajectory
 from test_delay_correction import _OneTorchOptimizer  # the same stand-in
 
 STEPS = 8
@@ -35,7 +35,7 @@ COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=
 def dc_train_entry(rank, world_size, spec, iterations, dc_lambda, rule="dc-asgd"):
     """tiny_gpt.train with the optimizer wrapped in DC-ASGD (or, with rule="nesterov", the
     look-ahead with beta = dc_lambda); patched in this rank's process only."""
-    from megatron_async.testing import tiny_gpt
+    from tests.support import tiny_gpt
 
     plain = tiny_gpt.get_megatron_optimizer
     if dc_lambda is not None:
@@ -86,8 +86,8 @@ def test_2bw_with_dc_asgd_equals_simulated_delay_with_dc_asgd():
 
 def prediction_rule_entry(rank, world_size, alpha):
     """Set the live weights by hand around two steps; return what the stash holds."""
-    from megatron_async.testing.tiny_gpt import build
     from megatron_async.stash.weight_stash import WeightStashManager
+    from tests.support.tiny_gpt import build
 
     model, _, _ = build(TinyGPT(**COMMON))
     stash = WeightStashManager(model, depth=1, predict=alpha)

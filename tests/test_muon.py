@@ -28,9 +28,9 @@
 import pytest
 import torch
 
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
-from megatron_async.testing.trajectory import assert_same_trajectory
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT, train_entry
+from tests.support.trajectory import assert_same_trajectory
 
 # the model part of a Megatron command line (TinyGPT's sizes), and the optimizer flags under test
 MEGATRON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
@@ -91,9 +91,9 @@ def _muon_run_entry(rank, world_size, flags, steps):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from megatron_async.testing.model import build_gpt_chunks, wrap_ddp
-    from megatron_async.testing.parallel import init_model_parallel
-    from megatron_async.testing.tiny_gpt import init_by_global_name, transformer_config
+    from megatron_async.planning.parallel import init_model_parallel
+    from tests.support.model import build_gpt_chunks, wrap_ddp
+    from tests.support.tiny_gpt import init_by_global_name, transformer_config
 
     spec = TinyGPT(init_by_name=True, num_layers=2, hidden_size=32, seq_length=16)
     init_model_parallel(1, 1, 1, seed=spec.seed)
@@ -359,6 +359,6 @@ def test_other_emerging_optimizers_train():
 
 
 def _one_run_each(rank, world_size, names, iterations):
-    from megatron_async.testing.tiny_gpt import train
+    from tests.support.tiny_gpt import train
 
     return {name: train(TinyGPT(optimizer=name, init_by_name=True), iterations, rank, world_size) for name in names}

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from megatron_async.testing.multiprocess import run_distributed
+from tests.support.multiprocess import run_distributed
 
 WAIT_S = 3  # the emulated NCCL waits' limit here: a matched operation takes milliseconds
 

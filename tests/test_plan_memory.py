@@ -28,8 +28,8 @@ from megatron_async.planning.p2p import (REPLAY_BATCHES, activation_tensor_bytes
                                      stage_peaks_on_completion)
 from megatron_async.schedules.actions import SendActivation, SendGrad
 from megatron_async.schedules.stream_2bw import TwoBWStream
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT
 
 STEPS = 7  # past the stream's template, so relabelled steady segments run too
 
@@ -38,7 +38,7 @@ def held_buffers_entry(rank, world_size, spec, iterations):
     """Train with 2bw, recording before every action the executor runs the sends it
     holds (by direction), its unposted outputs and its unconsumed receives."""
     from megatron_async.pipeline import executor as executor_module
-    from megatron_async.testing.tiny_gpt import train
+    from tests.support.tiny_gpt import train
 
     kinds, peak = {}, {"act_sends": 0, "grad_sends": 0, "sends": 0, "buffers": 0}
     post_run = executor_module.post_run

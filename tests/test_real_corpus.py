@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from megatron_async.testing.launch import torchrun_megatron
+from tests.support.launch import torchrun_megatron
 
 ITERS = 20
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

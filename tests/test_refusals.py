@@ -3,7 +3,7 @@ before any process group exists, with a message naming the flag.
 
 Every case goes through Megatron's argument parser and `validate_args` with the
 plugin installed, as the launcher's GPT entry runs them first
-(megatron_async.check_flags via megatron_async.testing.refusals, one process for all
+(megatron_async.check_flags via tests.support.refusals, one process for all
 cases). A valid 2bw command line is accepted (the negative control: the
 harness does not refuse everything). That a refusal reaches the user as one line
 and exit 2 on every rank under torchrun is in tests/test_megatron_loop.py and
@@ -17,8 +17,8 @@ import tempfile
 
 import pytest
 
-from megatron_async.testing.refusals import check_in_one_process
-from megatron_async.testing.warm_launch import warm_python
+from tests.support.refusals import check_in_one_process
+from tests.support.warm_launch import warm_python
 
 BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
@@ -261,7 +261,7 @@ def _refused_after_megatron_entry(rank, world_size, flag):
 
 @pytest.mark.parametrize("flag", list(MEGATRON_REFUSES_FIRST))
 def test_flags_megatron_refuses_on_cpu_are_refused_by_2bw_too(flag):
-    from megatron_async.testing.multiprocess import run_distributed
+    from tests.support.multiprocess import run_distributed
 
     (error,) = run_distributed(_refused_after_megatron_entry, 1, flag)
     assert error is not None and flag in error, error
@@ -277,7 +277,7 @@ def resolved_rerun_modes():
     (importing Megatron costs seconds a process; parse() starts from the command line each time)."""
     argvs = [BASE + PP2 + ["--pipeline-schedule", schedule] + (["--rerun-mode", given] if given else [])
              for schedule, given, _ in RERUN_CASES]
-    out = warm_python("megatron_async.testing.parse_each", ["2", "rerun_mode", json.dumps(argvs)], 300)
+    out = warm_python("tests.support.parse_each", ["2", "rerun_mode", json.dumps(argvs)], 300)
     assert out.returncode == 0, out.stdout[-3000:]
     parts = out.stdout.split("=== case\n")[1:]
     assert len(parts) == len(RERUN_CASES), out.stdout[-3000:]

@@ -10,7 +10,7 @@
   it ran stops before its next save, naming the job that took it.
 Negative control: two jobs on two different --save directories both train.
 
-The jobs are warm ranks in the background (testing/warm_launch.WarmJob): what takes
+The jobs are warm ranks in the background (tests/support/warm_launch.WarmJob): what takes
 the lock is the worker, not its launcher, so torchrun adds nothing here but its
 imports; a killed torchrun and its workers are tests/test_long_runs.py's.
 """
@@ -22,7 +22,7 @@ import time
 from test_long_runs import MEGATRON_LOOP
 
 from megatron_async.megatron_lm.save_lock import LOCK_NAME
-from megatron_async.testing.warm_launch import WarmJob
+from tests.support.warm_launch import WarmJob
 
 
 def _job(tmp_path, name, save, iters, extra=()):

@@ -22,7 +22,7 @@ import textwrap
 import time
 
 from megatron_async.megatron_lm import save_lock
-from megatron_async.testing.multiprocess import run_distributed
+from tests.support.multiprocess import run_distributed
 
 
 def test_a_file_system_without_flock_is_refused_naming_it(tmp_path, monkeypatch):

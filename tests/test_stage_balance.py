@@ -18,7 +18,7 @@ import random
 import pytest
 
 from megatron_async.planning.balance import best_split, even_split, megatron_flags, stage_costs
-from megatron_async.testing.refusals import check_in_one_process
+from tests.support.refusals import check_in_one_process
 
 
 def _compositions(total: int, parts: int):

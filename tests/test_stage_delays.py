@@ -14,12 +14,12 @@ import contextlib
 import pytest
 import torch
 
-from megatron_async.testing.forward_step import gpt_forward_step, reduce_lm_loss
 from megatron_async.pipeline.grad_stats import stage_of_parameter
 from megatron_async.schedules.registry import get_forward_backward_func
 from megatron_async.corrections.simulated_delay import parse_delays, pipedream_delays
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, build, full_named_params, microbatches, train_entry
+from tests.support.forward_step import gpt_forward_step, reduce_lm_loss
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT, build, full_named_params, microbatches, train_entry
 
 STEPS = 10
 COMMON = dict(num_layers=4, clip_grad=0.0, lr=1e-2, global_batch_size=8, micro_batch_size=2)

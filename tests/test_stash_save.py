@@ -12,8 +12,8 @@ finds the device-side clone of the former save (negative control).
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT
 
 
 class _Recorder(TorchDispatchMode):
@@ -33,8 +33,8 @@ class _Recorder(TorchDispatchMode):
 
 
 def _save_entry(rank, world_size):
-    from megatron_async.testing.tiny_gpt import build
     from megatron_async.stash.weight_stash import WeightStashManager
+    from tests.support.tiny_gpt import build
 
     model, _, _ = build(TinyGPT(num_layers=2))
     stash = WeightStashManager(model, depth=1)

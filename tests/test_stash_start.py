@@ -90,7 +90,7 @@ def test_2bw_finetune_with_prediction_begins_at_the_loaded_weights(checkpoints, 
     ref = _first(reference)["lm_loss"]
     assert abs(_first(fixed)["lm_loss"] - ref) <= RTOL * abs(ref)
     # negative control: the former start keeps the stash of untrained weights
-    proc, former = _run(tmp_path, "former", 2, two_bw, module="megatron_async.testing.step_end_entry",
+    proc, former = _run(tmp_path, "former", 2, two_bw, module="tests.support.step_end_entry",
                         env={"MEGATRON_ASYNC_TEST_OLD_STASH_START": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert abs(_first(former)["lm_loss"] - ref) > RTOL * abs(ref)

@@ -8,7 +8,7 @@ failing with UnreceivedSendError where NCCL would hang. Megatron waits on the de
 with `--gpu-sniff-test-interval` (between all-rank collectives), `--train-sync-interval`
 and `--empty-unused-memory-level` (both followed by an evaluation's all-rank timer
 barrier). Each of them runs under 2bw in Megatron's loop at PP=2, and each hangs the
-runtime as it was before its step-end receive (megatron_async.testing.step_end_entry,
+runtime as it was before its step-end receive (tests.support.step_end_entry,
 the negative control: a stage received the next batch's activation only in its next
 step).
 
@@ -29,12 +29,12 @@ import re
 
 import pytest
 
-from megatron_async.testing.warm_launch import warm_run
+from tests.support.warm_launch import warm_run
 
 from test_megatron_loop import CPU, MODEL, TRAIN, _logged_losses
 
 TWO_BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
-ENTRY = "megatron_async.testing.step_end_entry"
+ENTRY = "tests.support.step_end_entry"
 WAITS = {
     "gpu sniff test": ["--gpu-sniff-test-interval", "2"],
     "empty cache": ["--empty-unused-memory-level", "1", "--eval-interval", "2"],

@@ -5,7 +5,7 @@ last stage's worker only, or by its duration running out (`--exit-duration-in-mi
 with Megatron's clock started 57 s early). Every rank stops after the
 same iteration, agreed LAG iterations after the first rank saw the reason, saves
 there and exits 0. Resumed from that checkpoint, its per-iteration losses equal an
-uninterrupted run's bit for bit. Every job runs from warm ranks (testing/warm_launch.py),
+uninterrupted run's bit for bit. Every job runs from warm ranks (tests/support/warm_launch.py),
 the stopped one in the background (WarmJob), so the signal goes to one worker as it
 would under torchrun. All runs use one --train-iters (so one learning-rate
 schedule) and stop with --exit-interval; the uninterrupted run is shared by both cases. That the agreement waits on nothing across
@@ -21,7 +21,7 @@ import pytest
 from test_megatron_loop import CPU, MODEL, RESUME, TRAIN
 
 from megatron_async.pipeline.stop_agreement import LAG
-from megatron_async.testing.warm_launch import WarmJob, warm_run
+from tests.support.warm_launch import WarmJob, warm_run
 
 
 
@@ -38,7 +38,7 @@ def _start(argv, log, clock_ahead_s=None):
     """The launcher's job in the background; with `clock_ahead_s`, through the test entry
     whose Megatron training clock started that much earlier (--exit-duration-in-mins
     counts whole minutes)."""
-    module = "megatron_async.launch" if clock_ahead_s is None else "megatron_async.testing.step_end_entry"
+    module = "megatron_async.launch" if clock_ahead_s is None else "tests.support.step_end_entry"
     env = {} if clock_ahead_s is None else {"MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S": str(clock_ahead_s)}
     return WarmJob(module, argv, 2, env=env, log_path=log)
 

@@ -9,7 +9,7 @@
   1F1B at PP=2 differs from its PP=1 run by up to 7e-6 relative over these 8
   iterations with Muon (observed), so 1e-5 is round-off; the delay itself moves the
   losses by about 1e-2. Negative control: the same run with the first-to-last link
-  turned off (the last stage trains its own copy, testing/untied_copy.py) fails it.
+  turned off (the last stage trains its own copy, tests/support/untied_copy.py) fails it.
 - The collective audit finds no blocking collective spanning stages with tied
   embeddings; with Megatron's embedding all-reduce left unhooked it finds it.
 - A checkpoint resume is bitwise (torch_dist and torch formats), and tied to untied or
@@ -90,7 +90,7 @@ def test_tied_2bw_equals_its_tied_twin(tmp_path, tied, case):
         for x, y in zip(two_bw_val, twin_val):
             assert abs(x - y) <= RTOL_TIED * abs(y), (two_bw_val, twin_val)
     if case == "adam, PP=2":  # negative control: each stage keeps its own copy
-        proc, metrics = _run(tmp_path, "own_copy", 2, extra + PP2, module="megatron_async.testing.untied_copy")
+        proc, metrics = _run(tmp_path, "own_copy", 2, extra + PP2, module="tests.support.untied_copy")
         assert proc.returncode == 0, proc.stdout[-4000:]
         with pytest.raises(AssertionError):
             _within(_logged_losses(metrics), twin)
@@ -173,7 +173,7 @@ def test_multi_token_prediction_2bw_equals_its_twin(tmp_path, monkeypatch, tied_
         pipelined = _losses(tmp_path, "1f1b", 2, ["--pipeline-model-parallel-size", "2"])
         rtol = max(RTOL_TIED, 2 * _max_rel(pipelined, one))
     _within(two_bw, twin, rtol)
-    proc, metrics = _run(tmp_path, "own_copy", 2, PP2, module="megatron_async.testing.untied_copy")
+    proc, metrics = _run(tmp_path, "own_copy", 2, PP2, module="tests.support.untied_copy")
     assert proc.returncode == 0, proc.stdout[-4000:]
     with pytest.raises(AssertionError):  # negative control: the last stage keeps its own copy
         _within(_logged_losses(metrics), twin, rtol)
@@ -217,7 +217,7 @@ def _pair_group_entry(rank, world_size):
 
     from megatron_async.pipeline import p2p
     from megatron_async.pipeline.tied_embeddings import TiedEmbeddings
-    from megatron_async.testing.parallel import init_model_parallel
+    from megatron_async.planning.parallel import init_model_parallel
 
     init_model_parallel(pipeline_model_parallel_size=4)
     seen = []
@@ -243,7 +243,7 @@ def _pair_group_entry(rank, world_size):
 
 
 def test_the_tied_links_first_contact_is_a_matched_exchange_on_its_own_group():
-    from megatron_async.testing.multiprocess import run_distributed
+    from tests.support.multiprocess import run_distributed
 
     results = run_distributed(_pair_group_entry, 4)
     assert [r[0] for r in results] == [[0, 3], None, None, [0, 3]]

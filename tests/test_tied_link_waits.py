@@ -18,13 +18,13 @@ import math
 
 import pytest
 
-from megatron_async.testing.warm_launch import warm_run
+from tests.support.warm_launch import warm_run
 
 from test_megatron_loop import CPU, MODEL, TRAIN, _logged_losses
 
 TIED = [a for a in MODEL if a != "--untie-embeddings-and-output-weights"]
 TWO_BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
-ENTRY = "megatron_async.testing.step_end_entry"
+ENTRY = "tests.support.step_end_entry"
 HANG_WAIT_S = 2  # the emulated NCCL waits give up after this in the controls (a step takes ~50 ms)
 TIMEOUT_S = 240
 

@@ -10,9 +10,9 @@ the trajectories agree to float round-off (observed: bitwise); we allow 1e-6.
 import pytest
 import torch
 
-from megatron_async.testing.multiprocess import run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
-from megatron_async.testing.trajectory import assert_same_trajectory
+from tests.support.multiprocess import run_distributed
+from tests.support.tiny_gpt import TinyGPT, train_entry
+from tests.support.trajectory import assert_same_trajectory
 
 STEPS = 12
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)

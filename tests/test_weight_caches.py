@@ -1,6 +1,6 @@
 """2bw with Transformer-Engine-like kernels that keep per-batch weight state.
 
-Each kind of the TE-like stand-in (megatron_async/testing/te_like.py) is installed
+Each kind of the TE-like stand-in (tests/support/te_like.py) is installed
 on every local linear layer; 2bw at PP=2 (and PP=4) is compared with its
 one-step-delay twin (PP=1, simulated_delay=1, same options), which runs a whole
 batch at one weight version and so is right whatever the kernel caches.
@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from megatron_async.testing.multiprocess import RankError, run_distributed
-from megatron_async.testing.tiny_gpt import TinyGPT, train_entry
-from megatron_async.testing.trajectory import assert_same_trajectory
+from tests.support.multiprocess import RankError, run_distributed
+from tests.support.tiny_gpt import TinyGPT, train_entry
+from tests.support.trajectory import assert_same_trajectory
 
 STEPS = 8
 COMMON = dict(init_by_name=True, clip_grad=0.0, num_layers=4, global_batch_size=8, micro_batch_size=2)
@@ -70,7 +70,7 @@ CACHE_WITHOUT_SWITCH = "decoder.layers.0.mlp.linear_fc1"
 
 def _train_with_a_cache_without_switch(rank, world_size, spec, steps):
     """One layer takes `is_first_microbatch` but offers no switch to turn its cache off."""
-    from megatron_async.testing import te_like
+    from tests.support import te_like
 
     install = te_like.install
 
@@ -164,14 +164,14 @@ def test_a_saved_alias_of_a_weight_unguarded_trains_another_trajectory():
 # --- the stand-in's own guards ----------------------------------------------------------
 
 def test_te_like_refuses_an_unknown_kind():
-    from megatron_async.testing import te_like
+    from tests.support import te_like
 
     with pytest.raises(ValueError, match="fp8_cache"):
         te_like.install([], "fp4_cache")
 
 
 def _build_only(rank, world_size, spec):
-    from megatron_async.testing.tiny_gpt import build
+    from tests.support.tiny_gpt import build
 
     build(spec)
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_async.testing.launch import BENCH_WARM_ENV, start_torchrun
+from tests.support.launch import BENCH_WARM_ENV, start_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -220,7 +220,7 @@ def execute(run: Run, model: Model, data: Path, root: Path, timeout_s: float, ar
            *(["--load", str(ckpt)] if resume else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.monotonic()
-    if os.environ.get(BENCH_WARM_ENV) == "1":  # the smoke tests: warm ranks (testing/launch.py)
+    if os.environ.get(BENCH_WARM_ENV) == "1":  # the smoke tests: warm ranks (tests/support/launch.py)
         proc = start_torchrun(cmd, cwd=REPO, env=env, log_path=out / "train.log").wait(timeout_s)
     else:
         with open(out / "train.log", "w", encoding="utf-8") as log:

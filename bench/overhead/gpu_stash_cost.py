@@ -27,7 +27,7 @@ MODES = {"plain": [], "delay": ["--simulated-delay", 1]}
 
 
 def run_flags(opts, mode: str, metrics: Path) -> list:
-    from megatron_async.testing.gpu.gpt_flags import MUON, gpt_flags
+    from tests.support.gpu.gpt_flags import MUON, gpt_flags
 
     return gpt_flags(layers=opts.layers, hidden=opts.hidden, heads=opts.heads, seq=opts.seq,
                      micro_batch=opts.micro_batch, global_batch=opts.global_batch, iters=opts.iters,
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
 
     if not torch.cuda.is_available():
         sys.exit("bench.overhead.gpu_stash_cost needs a CUDA GPU (bench.overhead.stash_overhead measures the stash on the CPU)")
-    from megatron_async.testing.gpu.launch import read_metrics, tail, torchrun_gpt
+    from tests.support.gpu.launch import read_metrics, tail, torchrun_gpt
 
     per_run, params_b = {mode: [] for mode in MODES}, None
     with tempfile.TemporaryDirectory() as tmp:

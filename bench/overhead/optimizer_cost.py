@@ -52,7 +52,7 @@ QUICK_MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_si
 
 
 def spec_for(model: dict, optimizer: str, distopt: bool, m: int = 4, dp: int = 2):
-    from megatron_async.testing.tiny_gpt import TinyGPT
+    from tests.support.tiny_gpt import TinyGPT
 
     extra = dict(LAYER_WISE) if (distopt and optimizer == "muon") else {}
     return TinyGPT(optimizer=optimizer, use_distributed_optimizer=distopt and optimizer == "adam", lr=1e-3,
@@ -66,9 +66,9 @@ def timing_rank(rank: int, world_size: int, spec, ef: bool, warmup: int, iters: 
     from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
     from megatron_async.corrections.delay_correction import ErrorFeedbackOptimizer
-    from megatron_async.testing.forward_step import gpt_forward_step
     from megatron_async.schedules.registry import get_forward_backward_func
-    from megatron_async.testing.tiny_gpt import build, microbatches
+    from tests.support.forward_step import gpt_forward_step
+    from tests.support.tiny_gpt import build, microbatches
 
     calls = {"n": 0}
     original = muon_utils.newton_schulz
@@ -110,7 +110,7 @@ def timing_rank(rank: int, world_size: int, spec, ef: bool, warmup: int, iters: 
 def main(argv=None) -> dict:
     import importlib
 
-    from megatron_async.testing.multiprocess import run_distributed
+    from tests.support.multiprocess import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench.delay.sweep_runner import prepare_dirs
-from megatron_async.testing.launch import BENCH_WARM_ENV, torchrun_megatron
+from tests.support.launch import BENCH_WARM_ENV, torchrun_megatron
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--position-embedding-type", "learned_absolute",
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     if iters <= 100:  # a short --quick run warms its learning rate up over half of it (Megatron: warm-up < decay)
         cmd += ["--lr-warmup-iters", str(min(50, iters // 2))]
     started = time.monotonic()
-    # the real launcher, which is measured; warm ranks only for the smoke test (testing/launch.py)
+    # the real launcher, which is measured; warm ranks only for the smoke test (tests/support/launch.py)
     proc = torchrun_megatron(cmd, nproc=2, timeout_s=4 * 3600, warm=os.environ.get(BENCH_WARM_ENV) == "1")
     if proc.returncode != 0:
         print(proc.stdout[-5000:])

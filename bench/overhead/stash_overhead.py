@@ -53,8 +53,8 @@ def _iteration(model, optimizer, spec, iteration, stash, mode, forward_backward,
     """One training iteration in `mode`; returns its wall time."""
     import contextlib
 
-    from megatron_async.testing.forward_step import gpt_forward_step
-    from megatron_async.testing.tiny_gpt import microbatches
+    from tests.support.forward_step import gpt_forward_step
+    from tests.support.tiny_gpt import microbatches
 
     start = time.perf_counter()
     for chunk in model:
@@ -80,8 +80,8 @@ def timing_rank(rank: int, world_size: int, spec, cycles: int, warmup: int) -> d
     """Runs in the one gloo process: each cycle runs one iteration of every mode, in
     an order rotated from cycle to cycle; returns each mode's time per cycle."""
     from megatron_async.schedules.registry import get_forward_backward_func
-    from megatron_async.testing.tiny_gpt import build
     from megatron_async.stash.weight_stash import WeightStashManager
+    from tests.support.tiny_gpt import build
 
     model, optimizer, _config = build(spec)
     stash = WeightStashManager(model, depth=1)
@@ -122,8 +122,8 @@ def breakdown(model, spec, stash, repeats: int = 30) -> dict:
     makes, and repointing the parameters to a version."""
     import torch
 
-    from megatron_async.testing.forward_step import gpt_forward_step
-    from megatron_async.testing.tiny_gpt import microbatches
+    from tests.support.forward_step import gpt_forward_step
+    from tests.support.tiny_gpt import microbatches
 
     batch = next(iter(microbatches(spec, 0)))
     saved = [0]
@@ -171,8 +171,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 cycles (a smoke test)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megatron_async.testing.multiprocess import run_distributed
-    from megatron_async.testing.tiny_gpt import TinyGPT
+    from tests.support.multiprocess import run_distributed
+    from tests.support.tiny_gpt import TinyGPT
 
     model = QUICK_MODEL if args.quick else FULL_MODEL
     cycles = 4 if args.quick else args.cycles

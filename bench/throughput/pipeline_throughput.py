@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from bench.results import emit
-from megatron_async.testing.launch import start_torchrun
+from tests.support.launch import start_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_async.testing.launch import start_torchrun
+from tests.support.launch import start_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_TIMED_ITERATION = 10  # iterations before this are warm-up (allocation, first-touch, stream start)

@@ -3,7 +3,7 @@
 The cost model (bench/throughput/project.py) and the simulator need what one microbatch costs
 on each pipeline stage, measured on the same machine and in the same run as the
 throughput they are to predict. Each stage of a Megatron-Core GPT (built as the
-tests build it, `megatron_async.testing.tiny_gpt`) runs m microbatches then a step,
+tests build it, `tests.support.tiny_gpt`) runs m microbatches then a step,
 all stages at once so they share the machine as in a pipeline, but exchanging no
 data; a ping-pong of one activation gives the one-way point-to-point latency.
 
@@ -38,9 +38,9 @@ def stage_timing_rank(rank: int, world_size: int, spec, warmup: int, reps: int) 
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
 
-    from megatron_async.testing.forward_step import gpt_forward_step
     from megatron_async.pipeline.grad_stats import make_stage_local
-    from megatron_async.testing.tiny_gpt import build, microbatches
+    from tests.support.forward_step import gpt_forward_step
+    from tests.support.tiny_gpt import build, microbatches
 
     model, optimizer, _ = build(spec)
     make_stage_local(optimizer, False)
@@ -94,7 +94,7 @@ def stage_timing_rank(rank: int, world_size: int, spec, warmup: int, reps: int) 
 
 def make_spec(model: dict, schedule: str, pp: int, m: int):
     """A TinyGPT of the benchmark's sizes (keys as in bench/throughput/pipeline_throughput.py)."""
-    from megatron_async.testing.tiny_gpt import TinyGPT
+    from tests.support.tiny_gpt import TinyGPT
 
     return TinyGPT(pp=pp, schedule=schedule, global_batch_size=model["mbs"] * m, clip_grad=0.0,
                    num_layers=model["layers"], hidden_size=model["hidden"], num_attention_heads=model["heads"],
@@ -106,7 +106,7 @@ def measure(model: dict, reps: int = 3, m: int = 4, timeout_s: float = 900.0) ->
     (PP=1 only for an odd number of layers, which has no even split)."""
     import importlib
 
-    from megatron_async.testing.multiprocess import run_distributed
+    from tests.support.multiprocess import run_distributed
 
     rank_fn = importlib.import_module("bench.throughput.stage_costs").stage_timing_rank
     out = {}

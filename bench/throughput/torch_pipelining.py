@@ -53,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench.results import emit
-from megatron_async.testing.launch import BENCH_WARM_ENV
+from tests.support.launch import BENCH_WARM_ENV
 
 # (name, schedule, microbatches per batch)
 CONFIGS = [
@@ -278,8 +278,8 @@ def launch(name: str, world: int, fn, args: tuple, timeout_s: float) -> list:
     gives no result within timeout_s; every process is gone when this returns.
     """
     ctx = mp.get_context("spawn")
-    if os.environ.get(BENCH_WARM_ENV) == "1":  # the smoke test: forked with torch imported (testing/launch.py)
-        from megatron_async.testing.multiprocess import _context
+    if os.environ.get(BENCH_WARM_ENV) == "1":  # the smoke test: forked with torch imported (tests/support/launch.py)
+        from tests.support.multiprocess import _context
 
         ctx = _context()
     results = ctx.Queue()

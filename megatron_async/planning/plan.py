@@ -130,7 +130,7 @@ def _plan_config(args):
     parameter and need CUDA, so they are off here."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from megatron_async.testing.parallel import init_model_parallel
+    from megatron_async.planning.parallel import init_model_parallel
 
     import torch.distributed as dist
 

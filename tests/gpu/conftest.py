@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_async.testing.gpu.report import ENV_VAR, GpuReport
+from tests.support.gpu.report import ENV_VAR, GpuReport
 
 HERE = Path(__file__).resolve().parent
 NO_CUDA = ("the GPU acceptance suite needs a CUDA GPU and found none, so every test in tests/gpu is skipped "
@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
         for item in mine:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         return
-    from megatron_async.testing.gpu.env import probe
+    from tests.support.gpu.env import probe
 
     env = probe()  # a fresh interpreter: no CUDA context or TE import in pytest's own process
     env.setdefault("gpu_count", count)

@@ -13,8 +13,8 @@ This is the one-GPU form of test_gpu_resume.py, which needs 2 GPUs and TE.
 
 import pytest
 
-from megatron_async.testing.gpu.gpt_flags import MUON, gpt_flags
-from megatron_async.testing.gpu.resume import resume_against_uninterrupted
+from tests.support.gpu.gpt_flags import MUON, gpt_flags
+from tests.support.gpu.resume import resume_against_uninterrupted
 
 ITERS, SAVED_AT = 8, 4
 RESUME_RTOL = 5e-3

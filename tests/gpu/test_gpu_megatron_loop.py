@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from megatron_async.testing.gpu.gpt_flags import MUON, gpt_flags
-from megatron_async.testing.gpu.launch import read_metrics, tail, torchrun_gpt, train_losses
+from tests.support.gpu.gpt_flags import MUON, gpt_flags
+from tests.support.gpu.launch import read_metrics, tail, torchrun_gpt, train_losses
 
 ITERS = 40
 TIMEOUT_S = 600

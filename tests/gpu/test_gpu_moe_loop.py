@@ -16,9 +16,9 @@ import statistics
 
 import pytest
 
-from megatron_async.testing.gpu.gpt_flags import MUON, gpt_flags
-from megatron_async.testing.gpu.launch import read_metrics, tail, torchrun_gpt, train_losses
-from megatron_async.testing.megatron_log import printed_aux_losses
+from tests.support.gpu.gpt_flags import MUON, gpt_flags
+from tests.support.gpu.launch import read_metrics, tail, torchrun_gpt, train_losses
+from tests.support.megatron_log import printed_aux_losses
 
 ITERS = 30
 TIMEOUT_S = 600

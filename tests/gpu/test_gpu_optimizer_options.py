@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from megatron_async.testing.gpu.gpt_flags import gpt_flags
-from megatron_async.testing.gpu.launch import run_with_timeout, tail, torchrun_gpt
+from tests.support.gpu.gpt_flags import gpt_flags
+from tests.support.gpu.launch import run_with_timeout, tail, torchrun_gpt
 
 TIMEOUT_S = 300
 PRECISION_AWARE = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--simulated-delay", 1]
@@ -42,7 +42,7 @@ def _save_peaks(tmp_path, clone: bool) -> list[dict]:
     flags = gpt_flags(iters=4, impl="local") + ["--simulated-delay", 1, "--save", tmp_path / f"ckpt_{clone}",
                                                 "--save-interval", 2, "--ckpt-format", "torch"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           "-m", "megatron_async.testing.gpu.save_memory_entry", "--gpt", *map(str, flags)]
+           "-m", "tests.support.gpu.save_memory_entry", "--gpt", *map(str, flags)]
     proc = run_with_timeout(cmd, TIMEOUT_S, env={"MEGATRON_ASYNC_TEST_SAVE_MEMORY": str(record),
                                                  "MEGATRON_ASYNC_TEST_SAVE_CLONE": "1" if clone else "0"}, nproc=1)
     assert proc.returncode == 0, tail(proc)

@@ -14,9 +14,9 @@ same number against Megatron's synchronous 1F1B at PP=2 x EP=2 exceeds it.
 
 import pytest
 
-from megatron_async.testing.gpu.compare import finite_losses, max_relative_difference
-from megatron_async.testing.gpu.gpt_flags import MOE, gpt_flags, simulated_twin, two_bw
-from megatron_async.testing.gpu.launch import DETERMINISTIC_ENV, read_metrics, tail, torchrun_gpt, train_losses
+from tests.support.gpu.compare import finite_losses, max_relative_difference
+from tests.support.gpu.gpt_flags import MOE, gpt_flags, simulated_twin, two_bw
+from tests.support.gpu.launch import DETERMINISTIC_ENV, read_metrics, tail, torchrun_gpt, train_losses
 
 ITERS = 12
 LOSS_RTOL = 5e-3

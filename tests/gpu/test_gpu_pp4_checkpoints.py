@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from megatron_async.testing.gpu.gpt_flags import gpt_flags, two_bw
-from megatron_async.testing.gpu.launch import read_metrics, tail, torchrun_gpt
+from tests.support.gpu.gpt_flags import gpt_flags, two_bw
+from tests.support.gpu.launch import read_metrics, tail, torchrun_gpt
 
 ITERS, EXIT, SAVE, EVAL = 12, 6, 3, 2
 TIMEOUT_S = 600

@@ -11,8 +11,8 @@ so batch 5 runs at W4 instead of W3 and the same number exceeds RESUME_RTOL.
 
 import pytest
 
-from megatron_async.testing.gpu.gpt_flags import gpt_flags, two_bw
-from megatron_async.testing.gpu.resume import resume_against_uninterrupted
+from tests.support.gpu.gpt_flags import gpt_flags, two_bw
+from tests.support.gpu.resume import resume_against_uninterrupted
 
 ITERS, SAVED_AT = 8, 4
 RESUME_RTOL = 5e-3

@@ -13,9 +13,9 @@ import statistics
 
 import pytest
 
-from megatron_async.testing.gpu.gpt_flags import MUON, gpt_flags
-from megatron_async.testing.gpu.launch import iteration_seconds, read_metrics, tail, torchrun_gpt
-from megatron_async.testing.gpu.report import report_dir, write_json
+from tests.support.gpu.gpt_flags import MUON, gpt_flags
+from tests.support.gpu.launch import iteration_seconds, read_metrics, tail, torchrun_gpt
+from tests.support.gpu.report import report_dir, write_json
 
 ROUNDS = 2
 ITERS = 40

@@ -1,7 +1,7 @@
 """2bw's interleaving through real Transformer Engine modules (1 GPU, TE; fp8 cases need fp8).
 
 Microbatch A's forward at version v, the optimizer step, the next batch's first
-forward at v+1, then A's backward at v (megatron_async/testing/gpu/te_interleave.py
+forward at v+1, then A's backward at v (tests/support/gpu/te_interleave.py
 plays it on TENorm, TELayerNormColumnParallelLinear, TELinear and
 TEColumnParallelGroupedLinear in Megatron's DDP, with gradient-accumulation fusion
 into `main_grad`). A's input gradient and weight gradients are compared with an
@@ -24,7 +24,7 @@ import json
 
 import pytest
 
-from megatron_async.testing.gpu.launch import run_module, tail
+from tests.support.gpu.launch import run_module, tail
 
 BF16_RTOL = 1e-2
 FP8_RTOL = 6.25e-2
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 120)  # one subprocess each, killed
 
 def _interleave(case: str, tmp_path) -> dict:
     out = tmp_path / f"{case}.json"
-    proc = run_module("megatron_async.testing.gpu.te_interleave", [case, out], TIMEOUT_S)
+    proc = run_module("tests.support.gpu.te_interleave", [case, out], TIMEOUT_S)
     assert proc.returncode == 0, tail(proc)
     return json.loads(out.read_text())
 

@@ -1,7 +1,7 @@
 """2bw across ranks on real NCCL, several ranks on one GPU (`make test-gpu-ranks`).
 
 Each rank of a torchrun job gets its own NCCL_HOSTID and binds GPU 0
-(megatron_async.testing.gpu.shared_gpu_entry): NCCL treats each rank as a host of its own
+(tests.support.gpu.shared_gpu_entry): NCCL treats each rank as a host of its own
 and carries the pipeline's traffic over its socket transport on loopback, with real
 NCCL communicators, created lazily as Megatron-Core 0.19.2 leaves them, and CUDA streams.
 Megatron's local layers, bf16, Muon, m = 8 microbatches (> p).
@@ -31,9 +31,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_async.testing.gpu.compare import finite_losses, max_relative_difference
-from megatron_async.testing.gpu.gpt_flags import MUON, gpt_flags, simulated_twin, two_bw
-from megatron_async.testing.gpu.launch import (DETERMINISTIC_ENV, ROOT, rank_pids, read_metrics, run_with_timeout,
+from tests.support.gpu.compare import finite_losses, max_relative_difference
+from tests.support.gpu.gpt_flags import MUON, gpt_flags, simulated_twin, two_bw
+from tests.support.gpu.launch import (DETERMINISTIC_ENV, ROOT, rank_pids, read_metrics, run_with_timeout,
                                                subprocess_env, tail, train_losses)
 
 ITERS = 10
@@ -49,7 +49,7 @@ ENV = {**DETERMINISTIC_ENV, "MEGATRON_ASYNC_CPU_SEND_WAIT_S": "20"}  # the secon
 
 def _command(nproc: int, args: list) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "megatron_async.testing.gpu.shared_gpu_entry", "--gpt", *map(str, args)]
+            "-m", "tests.support.gpu.shared_gpu_entry", "--gpt", *map(str, args)]
 
 
 def _job(record, case: str, nproc: int, args: list, timeout_s: float = TIMEOUT_S, env: dict | None = None):

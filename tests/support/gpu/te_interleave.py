@@ -1,6 +1,6 @@
 """2bw's interleaving, driven by hand through real Transformer Engine modules on one GPU.
 
-    python -m megatron_async.testing.gpu.te_interleave CASE OUT.json    # CASE: bf16 | fp8 | fp8-cached
+    python -m tests.support.gpu.te_interleave CASE OUT.json    # CASE: bf16 | fp8 | fp8-cached
 
 Under 2bw a microbatch A of batch t+1 runs its forward at version v before the
 optimizer step, the next batch's first microbatch then runs at v+1 (Megatron
@@ -55,8 +55,8 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 class _Run:
     def __init__(self, fp8: bool, disable_caches: bool, seed: int = 1234):
         from megatron_async.pipeline.weight_caches import disable_first_microbatch_caches
-        from megatron_async.testing.gpu.te_stage import HIDDEN, TOKENS, build_stage
         from megatron_async.stash.weight_stash import WeightStashManager
+        from tests.support.gpu.te_stage import HIDDEN, TOKENS, build_stage
 
         self.model, self.config = build_stage(fp8)
         self.stash = WeightStashManager([self.model], depth=1, guard_aliases=True)
@@ -75,7 +75,7 @@ class _Run:
         self.names = [names.get(id(p), f"#{i}") for i, p in enumerate(self.stash.params)]
 
     def forward(self, x: torch.Tensor, first: bool) -> torch.Tensor:
-        from megatron_async.testing.gpu.te_stage import fp8_context
+        from tests.support.gpu.te_stage import fp8_context
 
         if first:  # what Megatron's forward_step does for a batch's first microbatch
             self.model.set_is_first_microbatch()
@@ -93,7 +93,7 @@ class _Run:
 
     def interleaved(self) -> dict:
         """Warm-up batch, A0 and A1 forward at v, step, B0 forward at v+1, A0 and A1 backward at v."""
-        from megatron_async.testing.gpu.te_stage import snapshot_fp8_meta
+        from tests.support.gpu.te_stage import snapshot_fp8_meta
 
         stash, model = self.stash, self.model
         for k, (x, dy) in enumerate(self.warm):  # fp8 scales from a real amax history, caches allocated
@@ -131,7 +131,7 @@ class _Run:
     def reference(self, weights, k: int, fwd_meta: dict, bwd_meta: dict) -> tuple[torch.Tensor, list]:
         """Microbatch k alone at `weights`: no stash, no cache, the scales its interleaved run used."""
         from megatron_async.pipeline.weight_caches import SWITCH
-        from megatron_async.testing.gpu.te_stage import restore_fp8_meta
+        from tests.support.gpu.te_stage import restore_fp8_meta
 
         for module in self.model.modules():
             if hasattr(module, SWITCH):
@@ -170,8 +170,8 @@ def measure(fp8: bool, disable_caches: bool) -> dict:
 
 
 def run(case: str) -> dict:
-    from megatron_async.testing.gpu.env import describe
-    from megatron_async.testing.gpu.te_stage import init_single_rank_nccl
+    from tests.support.gpu.env import describe
+    from tests.support.gpu.te_stage import init_single_rank_nccl
 
     init_single_rank_nccl()
     result = {"case": case, **measure(*CASES[case])}

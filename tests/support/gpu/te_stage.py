@@ -26,7 +26,7 @@ def init_single_rank_nccl(seed: int = 1234) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_async.testing.multiprocess import free_port
+    from tests.support.multiprocess import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

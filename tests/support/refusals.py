@@ -1,14 +1,14 @@
 """Check many command lines against Megatron's argument validation in one process.
 
-    python -m megatron_async.testing.refusals CASES.json OUT.json
+    python -m tests.support.refusals CASES.json OUT.json
 
 CASES.json maps a case name to {"world": N, "argv": [...]}. Each command line goes
 through megatron_async.check_flags (Megatron's argument parser and `validate_args`
 with the plugin installed, the launcher's CPU flags added, under WORLD_SIZE=N). OUT.json
 maps each name to {"refused": bool, "error": message or None}. One process for all
 cases, since importing Megatron costs seconds a process (the tests run it forked from
-their warm forkserver: testing/warm_launch.warm_python), and Megatron's parser reads
-its config classes' docstrings once (testing/warm_imports.py), not once per case.
+their warm forkserver: tests/support/warm_launch.warm_python), and Megatron's parser reads
+its config classes' docstrings once (tests/support/warm_imports.py), not once per case.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 def check_in_one_process(cases: dict, folder: Path, timeout_s: float = 300) -> dict:
     """Run this module over `cases` ({name: {"world": N, "argv": [...]}}) in one warm
     process, with its files in `folder`; returns OUT.json's results."""
-    from megatron_async.testing.warm_launch import warm_python
+    from tests.support.warm_launch import warm_python
 
     folder = Path(folder)
     (folder / "cases.json").write_text(json.dumps(cases))
-    proc = warm_python("megatron_async.testing.refusals", [folder / "cases.json", folder / "out.json"], timeout_s)
+    proc = warm_python("tests.support.refusals", [folder / "cases.json", folder / "out.json"], timeout_s)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads((folder / "out.json").read_text())
 
@@ -35,7 +35,7 @@ def main(cases_path: str, out_path: str) -> None:
 
     from megatron_async.check_flags import check, prepare
 
-    importlib.import_module("megatron_async.testing.warm_imports")  # each parse reuses the config docstrings
+    importlib.import_module("tests.support.warm_imports")  # each parse reuses the config docstrings
 
     prepare()
     with open(cases_path, encoding="utf-8") as f:

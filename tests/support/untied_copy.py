@@ -1,6 +1,6 @@
 """2bw with tied embeddings but the first-to-last link turned off: the negative control.
 
-    torchrun ... -m megatron_async.testing.untied_copy --gpt ARGS...
+    torchrun ... -m tests.support.untied_copy --gpt ARGS...
 
 Runs `megatron_async.launch` with every transfer of pipeline/tied_embeddings.py a
 no-op, so the last stage trains its own copy of the output weight from its own

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import shutil
 
-from megatron_async.testing.gpu.compare import finite_losses, max_relative_difference
-from megatron_async.testing.gpu.launch import DETERMINISTIC_ENV, read_metrics, tail, torchrun_gpt, train_losses
+from tests.support.gpu.compare import finite_losses, max_relative_difference
+from tests.support.gpu.launch import DETERMINISTIC_ENV, read_metrics, tail, torchrun_gpt, train_losses
 
 
 def _losses(tmp_path, base: list, nproc: int, timeout_s: float, name: str, extra: list,
@@ -18,7 +18,7 @@ def _losses(tmp_path, base: list, nproc: int, timeout_s: float, name: str, extra
     as before such a resume was refused (with both weight versions equal)."""
     metrics = tmp_path / f"{name}.jsonl"
     env = {**DETERMINISTIC_ENV, **({"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"} if old_markerless else {})}
-    module = "megatron_async.testing.step_end_entry" if old_markerless else "megatron_async.launch"
+    module = "tests.support.step_end_entry" if old_markerless else "megatron_async.launch"
     proc = torchrun_gpt(base + extra + ["--metrics-json", metrics], nproc, timeout_s, env=env, module=module)
     assert proc.returncode == 0, f"{name}:\n{tail(proc)}"
     return train_losses(read_metrics(metrics))

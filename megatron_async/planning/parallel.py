@@ -1,4 +1,7 @@
-"""Process-group setup: Megatron's model-parallel groups and seeded RNG on any device."""
+"""Process-group setup: Megatron's model-parallel groups and seeded RNG on any device.
+
+The planner (plan.py) builds each stage under these groups in one process; the tests'
+tiny GPT (tests/support/tiny_gpt.py) sets up its ranks with the same function."""
 
 from __future__ import annotations
 

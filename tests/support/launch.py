@@ -8,16 +8,18 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, where `-m tests.support.MODULE` imports from
+
 
 def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, cwd=None,
                       warm: bool = True) -> subprocess.CompletedProcess:
     """Run the plugin's GPT entry in Megatron's own training loop on `nproc` local ranks.
 
-    warm=True: ranks forked with Megatron imported (megatron_async.testing.warm_launch),
+    warm=True: ranks forked with Megatron imported (tests.support.warm_launch),
     what tests use; False: torchrun itself, what benchmarks that time a run use."""
     argv = ["--gpt", *map(str, args)]
     if warm:
-        from megatron_async.testing.warm_launch import warm_run
+        from tests.support.warm_launch import warm_run
 
         return warm_run("megatron_async.launch", argv, nproc, timeout_s, cwd=cwd)
     return _torchrun(["-m", "megatron_async.launch", *argv], nproc, timeout_s, cwd)
@@ -25,7 +27,8 @@ def torchrun_megatron(args: Sequence[str], nproc: int, timeout_s: float = 600, c
 
 def _torchrun(entry: list, nproc: int, timeout_s: float, cwd) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     return _TorchrunJob(cmd, cwd, env, None).wait(timeout_s)
 
 
@@ -61,13 +64,13 @@ def start_torchrun(cmd: Sequence[str], cwd=None, env: dict | None = None, log_pa
     `log_path` when given).
 
     With $MEGATRON_ASYNC_BENCH_WARM=1, what the benchmarks' smoke tests set, the same
-    MODULE and ARGS run on warm ranks instead (testing/warm_launch.py): the smoke tests
+    MODULE and ARGS run on warm ranks instead (tests/support/warm_launch.py): the smoke tests
     check that a benchmark runs and reports, which torchrun's imports (some 20 s of CPU a
     launch) add nothing to. Benchmarks themselves, timed, keep torchrun."""
     cmd = [str(c) for c in cmd]
     if os.environ.get(BENCH_WARM_ENV) != "1":
         return _TorchrunJob(cmd, cwd, env, log_path)
-    from megatron_async.testing.warm_launch import WarmJob
+    from tests.support.warm_launch import WarmJob
 
     at = cmd.index("-m", cmd.index("torch.distributed.run") + 1 if "torch.distributed.run" in cmd else 1)
     launcher = cmd[:at]

@@ -1,12 +1,12 @@
 """Megatron's argument parsing with the plugin for several command lines in one process.
 
-    python -m megatron_async.testing.parse_each WORLD ATTRS CASES_JSON
+    python -m tests.support.parse_each WORLD ATTRS CASES_JSON
 
 For each command line of CASES_JSON (a JSON list of argument lists) it prints
 `=== case`, whatever the parse printed (the plugin's one-line notices among it), and
 `NAME=VALUE TYPE` for each comma-separated attribute in ATTRS of the parsed args. One
 process for all cases: importing Megatron costs seconds a process, and the tests run
-this from their warm forkserver (testing/warm_launch.warm_python).
+this from their warm forkserver (tests/support/warm_launch.warm_python).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ _PRELOAD = [
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
     "megatron_async.cpu",
-    "megatron_async.testing.warm_imports",
+    "tests.support.warm_imports",
 ]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_ASYNC_TEST_TIMEOUT", "300"))

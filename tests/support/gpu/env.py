@@ -1,6 +1,6 @@
 """What this machine offers the GPU acceptance suite, and the versions a result depends on.
 
-    python -m megatron_async.testing.gpu.env          # one JSON object on stdout
+    python -m tests.support.gpu.env          # one JSON object on stdout
 
 The suite's conftest runs this module in a subprocess once per session (only
 where CUDA is present), so importing Transformer Engine, and any crash doing so,
@@ -114,10 +114,10 @@ def describe() -> dict:
 def probe(timeout_s: float = 300) -> dict:
     """`describe()` run in a fresh interpreter (TE's import stays out of the caller).
     A probe that fails reports TE as unusable, with the reason."""
-    from megatron_async.testing.gpu.launch import subprocess_env
+    from tests.support.gpu.launch import subprocess_env
 
     try:
-        proc = subprocess.run([sys.executable, "-m", "megatron_async.testing.gpu.env"], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "tests.support.gpu.env"], capture_output=True,
                               text=True, timeout=timeout_s, env=subprocess_env())
         if proc.returncode == 0:
             return json.loads(proc.stdout.strip().splitlines()[-1])

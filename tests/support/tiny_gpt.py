@@ -1,7 +1,7 @@
 """A tiny Megatron-Core GPT with any TP/PP/EP/DP layout, for multi-rank tests.
 
-Everything is built with the product's own builders (`megatron_async.testing.model`,
-`megatron_async.testing.parallel`) and Megatron's DDP and optimizer; only the sizes are
+Everything is built with Megatron-Core's GPT model and parallel groups (`tests.support.model`,
+`megatron_async.planning.parallel`) and Megatron's DDP and optimizer; only the sizes are
 tiny and the data is seeded random tokens, identical on every rank, so runs with
 different layouts see the same global batches and can be compared.
 """
@@ -21,11 +21,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_async.megatron_lm import layout_invariant_init
-from megatron_async.testing.forward_step import gpt_forward_step, reduce_lm_loss
-from megatron_async.testing.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
-from megatron_async.testing.parallel import init_model_parallel
+from megatron_async.planning.parallel import init_model_parallel
 from megatron_async.schedules.registry import delayed_runtime, get_forward_backward_func
 from megatron_async.corrections.simulated_delay import version_for_step
+from tests.support.forward_step import gpt_forward_step, reduce_lm_loss
+from tests.support.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
 
 
 @dataclass
@@ -58,7 +58,7 @@ class TinyGPT:
     planned_iterations: Optional[int] = None  # 2bw: the run planned this many and stops early (--exit-interval)
     weight_prediction: Optional[float] = None  # run microbatches at W + alpha (W - W_prev) (one-step delay only)
     gradient_accumulation_fusion: bool = False  # Megatron's fused wgrad accumulation into main_grad
-    te_like: Optional[str] = None  # a te_like kernel kind on every local linear layer (testing/te_like.py)
+    te_like: Optional[str] = None  # a te_like kernel kind on every local linear layer (tests/support/te_like.py)
     te_like_honours_switch: bool = True  # False: the kernel ignores disable_parameter_transpose_cache
     stash_alias_guard: bool = True  # the weight stash refuses saved aliases of a weight (guard_aliases)
     extra_optimizer_config: dict = field(default_factory=dict)
@@ -102,7 +102,7 @@ def build(spec: TinyGPT):
     )
     model = wrap_ddp(chunks, config, ddp_config)
     if spec.te_like is not None:
-        from megatron_async.testing import te_like
+        from tests.support import te_like
 
         te_like.install(model, spec.te_like, honour_switch=spec.te_like_honours_switch)
     if spec.init_by_name:

@@ -1,4 +1,4 @@
-"""`python -m megatron_async.testing.rank_exit R CODE [AFTER_S PEER_CODE]`: rank R exits
+"""`python -m tests.support.rank_exit R CODE [AFTER_S PEER_CODE]`: rank R exits
 with CODE; the others wait, for an hour or, given AFTER_S, exit with PEER_CODE after
 AFTER_S seconds.
 

@@ -4,7 +4,7 @@ A rank that starts from nothing spends about 7 s of CPU importing torch and
 Megatron-Core (torch._dynamo, inductor and DTensor come with it) before it trains
 a step; a suite that launches a couple of hundred ranks spends most of its time
 there. Here each rank is forked from the forkserver of
-`megatron_async.testing.multiprocess`, which has those imports done, and then runs
+`tests.support.multiprocess`, which has those imports done, and then runs
 the entry module as `python -m MODULE ARGS` would, with torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID) and, as under
 torchrun, the rendezvous store hosted by the launcher (multiprocess.host_store). Every rank is
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_async.testing.multiprocess import AGENT_STORE_ENV, _context, host_store
+from tests.support.multiprocess import AGENT_STORE_ENV, _context, host_store
 
 STOP_GRACE_S = 5.0
 MOCK_DATA_CACHE_ENV = "MEGATRON_ASYNC_MOCK_DATA_CACHE"
@@ -209,6 +209,6 @@ def warm_run(module: str, argv: Sequence[str], nproc: int, timeout_s: float, env
 def warm_python(module: str, argv: Sequence[str], timeout_s: float,
                 env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGV` as one warm process, without torchrun's environment: for
-    the one-process checks of many command lines (testing/refusals.py), which would
+    the one-process checks of many command lines (tests/support/refusals.py), which would
     otherwise spend most of their time importing Megatron."""
     return WarmJob(module, argv, 1, env=env, mock_data_cache=False, launcher_env=False).wait(timeout_s)

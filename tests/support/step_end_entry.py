@@ -1,4 +1,4 @@
-"""`python -m megatron_async.testing.step_end_entry ARGS`: megatron_async.launch for the
+"""`python -m tests.support.step_end_entry ARGS`: megatron_async.launch for the
 step-end tests (tests/test_step_end_waits.py), with two switches read from the
 environment:
 

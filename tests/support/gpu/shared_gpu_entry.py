@@ -1,4 +1,4 @@
-"""`python -m megatron_async.testing.gpu.shared_gpu_entry ARGS` under torchrun: several
+"""`python -m tests.support.gpu.shared_gpu_entry ARGS` under torchrun: several
 ranks of one job on one GPU, each its own NCCL "host".
 
 NCCL refuses two ranks of a communicator on one GPU ("Duplicate GPU detected") because
@@ -7,7 +7,7 @@ is set. With a distinct NCCL_HOSTID per rank each rank is a host of its own and 
 carries their traffic over its socket transport on the loopback interface. Every rank
 binds GPU 0 (Megatron binds LOCAL_RANK). On a machine without CUDA nothing here applies
 and the job runs on gloo, as the CPU dry run of `make test-gpu-ranks` does. Then runs
-megatron_async.testing.step_end_entry (its test switches included) with ARGS.
+tests.support.step_end_entry (its test switches included) with ARGS.
 """
 
 import os
@@ -24,4 +24,4 @@ if __name__ == "__main__":
 
     if torch.cuda.is_available():
         os.environ.update(shared_gpu_environment(os.environ.get("RANK", "0")))
-    runpy.run_module("megatron_async.testing.step_end_entry", run_name="__main__", alter_sys=True)
+    runpy.run_module("tests.support.step_end_entry", run_name="__main__", alter_sys=True)

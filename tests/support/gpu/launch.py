@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import megatron_async
-
-ROOT = Path(megatron_async.__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: the plugin and tests/support, both importable from it
 
 # Collectives and kernels that give the same result run after run (NCCL's ring
 # all-reduce, TE without its non-deterministic attention kernels, a fixed cuBLAS
@@ -111,7 +109,7 @@ def torchrun_gpt(args: Sequence[str], nproc: int, timeout_s: float, env: Mapping
                  cwd=None, module: str = "megatron_async.launch") -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node NPROC -m MODULE --gpt ARGS` on this node's first
     NPROC GPUs (Megatron binds rank r to GPU r), NCCL by Megatron's default. MODULE: the
-    launcher, or megatron_async.testing.step_end_entry for a negative control's switches."""
+    launcher, or tests.support.step_end_entry for a negative control's switches."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", module, "--gpt", *map(str, args)]
     return run_with_timeout(cmd, timeout_s, env=env, cwd=cwd, nproc=nproc)

@@ -6,7 +6,7 @@ and parse the source of some 26 config dataclasses to get their field docstrings
 (`ArgumentGroupFactory._get_field_docstrings`, about 0.2 s of CPU a rank). Here the
 docstrings are read once per class and kept: they are a function of the source
 alone, so every rank gets the same ones. Nothing is hooked here: each rank still
-installs the plugin itself (testing/warm_launch.py).
+installs the plugin itself (tests/support/warm_launch.py).
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""`python -m megatron_async.testing.gpu.save_memory_entry ARGS`: megatron_async.launch that
+"""`python -m tests.support.gpu.save_memory_entry ARGS`: megatron_async.launch that
 records what each weight-stash save adds to the GPU's peak memory
 (tests/gpu/test_gpu_optimizer_options.py).
 

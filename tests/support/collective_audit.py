@@ -1,6 +1,6 @@
 """Record the process group of every collective a rank runs in steady-state training.
 
-    MEGATRON_ASYNC_AUDIT_DIR=DIR torchrun ... -m megatron_async.testing.collective_audit --gpt ARGS...
+    MEGATRON_ASYNC_AUDIT_DIR=DIR torchrun ... -m tests.support.collective_audit --gpt ARGS...
 
 Runs `megatron_async.launch` with every torch.distributed collective wrapped. From
 the start of the second training iteration until Megatron's train() returns,

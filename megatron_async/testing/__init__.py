@@ -1,1 +1,0 @@
-"""Test support: multi-rank gloo harness and tiny Megatron GPT builders."""
