@@ -10,7 +10,7 @@
 - the 10B MoE plan builds every stage on the meta device: its total parameter count
   equals the closed-form count of the configuration, and every stage fits in 80 GB
   (and not in 10 GB: the check can fail); it counts 2bw's held send buffers (the
-  replay of megatron_async/planning/p2p.py for the configuration's p and m, x the tensor
+  replay of megatron_async/planning/send_buffers.py for the configuration's p and m, x the tensor
   size from its flags) and the stash's clone during a save, and a GPU that holds the
   training peak but not the save's fails the check;
 - the SmolLM-360M config (examples/smollm_360m): its plan's parameter count equals the
@@ -132,7 +132,7 @@ def test_moe_10b_plan_fits_every_stage_in_80_gb(moe_plan, tmp_path):
 
 
 def test_moe_10b_plan_counts_send_buffers_and_the_save(moe_plan):
-    from megatron_async.planning.p2p import stage_peaks, stage_peaks_on_completion
+    from megatron_async.planning.send_buffers import stage_peaks, stage_peaks_on_completion
 
     plan, stdout = moe_plan
     m = 512 // (1 * 8)  # flags.sh: global batch / (micro batch x data-parallel size)

@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from megatron_async.corrections.delay_correction import DelayCorrection, ErrorFeedbackOptimizer, torch_optimizers
+from megatron_async.corrections.delay_correction import DelayCorrection, DelayCorrectedOptimizer, torch_optimizers
 from tests.support.launch import torchrun_megatron
 from tests.support.multiprocess import run_distributed
 from tests.support.tiny_gpt import TinyGPT
@@ -37,7 +37,7 @@ def ef_train_entry(rank, world_size, spec, iterations, ef_lambda):
 
     plain = tiny_gpt.get_megatron_optimizer
     if ef_lambda is not None:
-        tiny_gpt.get_megatron_optimizer = lambda config, model: ErrorFeedbackOptimizer(plain(config, model), ef_lambda)
+        tiny_gpt.get_megatron_optimizer = lambda config, model: DelayCorrectedOptimizer(plain(config, model), ef_lambda)
     return tiny_gpt.train(spec, iterations, rank, world_size)
 
 
@@ -63,7 +63,7 @@ class _OneTorchOptimizer:
 
 def _sgd_run(grads, ef_lambda, stop=None, state=None):
     w = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))
-    opt = ErrorFeedbackOptimizer(_OneTorchOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9)), ef_lambda)
+    opt = DelayCorrectedOptimizer(_OneTorchOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9)), ef_lambda)
     if state is not None:
         w.data.copy_(state["w"])
         opt.optimizer.load_state_dict(state["sgd"])

@@ -121,3 +121,65 @@ def test_negative_control_a_circle_is_found():
     graph = {"a.registry": {"a.builtin"}, "a.builtin": {"a.registry"}, "a.sim": {"a.registry"}}
     assert find_circle(graph) == ["a.builtin", "a.registry", "a.builtin"]
 
+
+
+_FILE = re.compile(r"(?<![\w/.-])([A-Za-z_][\w]*\.py)\b")
+
+
+def _text_of_docs_and_comments(path: Path) -> str:
+    """A Python file's docstrings and comments: where its words name other files."""
+    import io
+    import tokenize
+
+    source = path.read_text(encoding="utf-8")
+    parts = [ast.get_docstring(node) or "" for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    parts += [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+              if tok.type == tokenize.COMMENT]
+    return "\n".join(parts)
+
+
+def _known_file_names() -> set[str]:
+    """Every .py file name here, and in the Megatron-Core and torch this checkout runs on
+    (docstrings name the Megatron files they hook)."""
+    import megatron.core
+    import torch
+
+    names = {p.name for p in REPO.rglob("*.py") if ".venv" not in p.parts}
+    for package in (Path(megatron.core.__file__).parents[1], Path(torch.__file__).parent):
+        names |= {p.name for p in package.rglob("*.py")}
+    return names
+
+
+MEGATRON_LM_SCRIPTS = {"pretrain_gpt.py", "preprocess_data.py"}  # Megatron-LM's, not in megatron-core's wheel
+
+
+def _exists(name: str) -> bool:
+    """A path, or a module path with an attribute after it (tests/support/warm_launch.warm_python)."""
+    module = name.split(".")[0]
+    return (REPO / name).exists() or (REPO / f"{module}.py").exists()
+
+
+def stale_names(paths: list[Path], known: set[str]) -> list[str]:
+    found = []
+    for path in paths:
+        text = _text_of_docs_and_comments(path)
+        found += [f"{path.relative_to(REPO)}: {p}" for p in named_paths(text) if not _exists(p)]
+        found += [f"{path.relative_to(REPO)}: {name}" for name in set(_FILE.findall(text))
+                  if name not in known | MEGATRON_LM_SCRIPTS]
+    return sorted(found)
+
+
+def test_every_path_a_docstring_or_comment_names_exists(tmp_path):
+    """A file renamed or moved leaves no docstring or comment naming its old name. Control:
+    a planted module naming a file that does not exist is reported."""
+    known = _known_file_names()
+    sources = [p for folder in ("megatron_async", "bench", "tests") for p in sorted((REPO / folder).rglob("*.py"))]
+    assert stale_names(sources, known) == []
+    planted = REPO / "tests" / f"_planted_{tmp_path.name}.py"
+    planted.write_text('"""Reads megatron_async/plan_p2p.py."""\n# see gpu_te_stage.py\n')
+    try:
+        assert stale_names([planted], known) == [f"tests/{planted.name}: gpu_te_stage.py",
+                                                 f"tests/{planted.name}: megatron_async/plan_p2p.py"]
+    finally:
+        planted.unlink()

@@ -1,4 +1,4 @@
-"""The memory plan's count of 2bw's point-to-point buffers (megatron_async/planning/p2p.py).
+"""The memory plan's count of 2bw's point-to-point buffers (megatron_async/planning/send_buffers.py).
 
 - On real gloo pipelines (p=2 and p=4, TinyGPT) the replay's peaks per stage (activation
   sends held, gradient sends held, both at once, and all p2p buffers) equal what the
@@ -24,7 +24,7 @@ import torch
 
 from megatron_async.pipeline.p2p import PendingSends
 from megatron_async.planning import p2p as plan_p2p
-from megatron_async.planning.p2p import (REPLAY_BATCHES, activation_tensor_bytes, replay, stage_peaks,
+from megatron_async.planning.send_buffers import (REPLAY_BATCHES, activation_tensor_bytes, replay, stage_peaks,
                                      stage_peaks_on_completion)
 from megatron_async.schedules.actions import SendActivation, SendGrad
 from megatron_async.schedules.stream_2bw import TwoBWStream

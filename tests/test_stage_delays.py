@@ -16,7 +16,7 @@ import torch
 
 from megatron_async.pipeline.grad_stats import stage_of_parameter
 from megatron_async.schedules.registry import get_forward_backward_func
-from megatron_async.corrections.simulated_delay import parse_delays, pipedream_delays
+from megatron_async.stash.delay_reference import parse_delays, pipedream_delays
 from tests.support.forward_step import gpt_forward_step, reduce_lm_loss
 from tests.support.multiprocess import run_distributed
 from tests.support.tiny_gpt import TinyGPT, build, full_named_params, microbatches, train_entry

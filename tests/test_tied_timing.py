@@ -1,5 +1,5 @@
 """The timing tied embeddings would have under 2bw, read off the real 2bw action lists by
-the simulator (megatron_async/planning/tied_embeddings.py; docs/two_bw.md, "Tied embeddings").
+the simulator (megatron_async/planning/tied_link_timing.py; docs/two_bw.md, "Tied embeddings").
 
 With forward cost F, backward cost B and no transfer time, the windows are, at every
 steady batch:
@@ -12,7 +12,7 @@ Negative control: a weight needed one step earlier (no one-step delay) has no wi
 
 import pytest
 
-from megatron_async.planning.tied_embeddings import tied_windows
+from megatron_async.planning.tied_link_timing import tied_windows
 from megatron_async.schedules.gen_2bw import min_microbatches_2bw
 
 GRID = [(p, m) for p in (2, 3, 4, 6, 8) for m in sorted({min_microbatches_2bw(p), p, 2 * p + 1, 3 * p})]
@@ -48,7 +48,7 @@ def test_the_gradient_receive_is_posted_for_a_constant_time_not_a_batch(p, m):
     B + (p-1) F for its data, whatever m; posted at b's first backward (as it was) it
     waited most of a batch, m (F + B) less a few slots: device work for a whole-device
     wait to meet, and a spinning kernel on NCCL."""
-    from megatron_async.planning.tied_embeddings import grad_receive_open
+    from megatron_async.planning.tied_link_timing import grad_receive_open
 
     now, before = grad_receive_open(p, m), grad_receive_open(p, m, "first backward")
     assert now == pytest.approx(2.0 + (p - 1) * 1.0)

@@ -73,7 +73,7 @@ def tuned(table: list[dict]) -> list[dict]:
 
 
 def sync_checks(table: list[dict], searched: list[dict]) -> list[dict]:
-    """Rates tried in sync alone (bench/archive_summary.sync_only) against the tuned row of
+    """Rates tried in sync alone (bench/delay/archive_summary.sync_only) against the tuned row of
     their (optimizer, length), on the seeds both have: `lower` says the tuned rate lost."""
     out = []
     for check in searched:

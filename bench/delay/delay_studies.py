@@ -15,7 +15,7 @@ checked against them by tests/test_delay_studies.py:
         --archive bench/archive/shakespeare_large_600 --plot docs/img/delay_size.png
 
 Every comparison is at one length and one learning rate per (model, optimizer): the
-rate with the lowest sync loss in that archive (bench/delay_length's rule, judged on
+rate with the lowest sync loss in that archive (bench/delay/delay_length.py's rule, judged on
 the seeds every rate has). Gaps are given per seed as well as their mean, since two
 seeds are all a CPU run affords.
 """
@@ -70,7 +70,7 @@ def load(directory) -> list[dict]:
 
 
 def tuned_rows(directory) -> list[dict]:
-    """bench/delay_length's rows of an archive at their tuned rates, each with its model,
+    """bench/delay/delay_length.py's rows of an archive at their tuned rates, each with its model,
     parameter count and the per-seed relative gaps."""
     rows = delay_length.tuned(delay_length.rows(archive_summary.summaries(Path(directory))))
     runs = load(directory)

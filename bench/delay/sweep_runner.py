@@ -65,7 +65,7 @@ class Model:
     moe_topk: int = 2
     moe_aux_loss_coeff: float = 1e-2  # Megatron's usual coefficient
     # Muon's Newton-Schulz matmuls: Megatron's default "medium" (None) runs them in
-    # bf16, which the CPU emulates 17-31x slower than "high" (bench/muon_matmul_precision); issue 30's
+    # bf16, which the CPU emulates 17-31x slower than "high" (bench/overhead/muon_matmul_precision.py); issue 30's
     # studies use "high", for every run they compare
     muon_matmul_prec: str | None = None
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench.delay.sweep_runner import Model, Run, cell, mean_curve, prepare_dirs, run_all
-from megatron_async.corrections.simulated_delay import pipedream_delays
+from megatron_async.stash.delay_reference import pipedream_delays
 
 LR_GRID = [4e-3, 8e-3, 1.6e-2, 3.2e-2]
 OPTIMIZER = "muon"

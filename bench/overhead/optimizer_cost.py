@@ -65,7 +65,7 @@ def timing_rank(rank: int, world_size: int, spec, ef: bool, warmup: int, iters: 
     import torch.distributed as dist
     from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
-    from megatron_async.corrections.delay_correction import ErrorFeedbackOptimizer
+    from megatron_async.corrections.delay_correction import DelayCorrectedOptimizer
     from megatron_async.schedules.registry import get_forward_backward_func
     from tests.support.forward_step import gpt_forward_step
     from tests.support.tiny_gpt import build, microbatches
@@ -80,7 +80,7 @@ def timing_rank(rank: int, world_size: int, spec, ef: bool, warmup: int, iters: 
     muon_utils.newton_schulz = counted
     model, optimizer, _ = build(spec)
     if ef:
-        optimizer = ErrorFeedbackOptimizer(optimizer, ef_lambda=1.0)
+        optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=1.0)
     forward_backward = get_forward_backward_func("no-pipelining")
     m = spec.num_microbatches(world_size)
     fb, step, ns = [], [], []

@@ -21,7 +21,7 @@ Validation on CPU: `predict_cpu` turns per-stage costs measured on this machine
 (bench/throughput/stage_costs.py) into the s / microbatch of each configuration of
 bench/throughput/pipeline_throughput.py, which reports both side by side.
 
-    .venv/bin/python -m bench.throughput.project --json out/bench/project.json --plot docs/img/projection.png
+    .venv/bin/python -m bench.throughput.project --json out/bench/project.json --plot docs/img/projection_10b_moe.png
 
 prints the projection for the 10B MoE (examples/moe_10b/flags.sh) on 8-GPU H100
 nodes at PP = 4, 8, 16 and m = p, 2p, 4p; every assumption is in ASSUMPTIONS.

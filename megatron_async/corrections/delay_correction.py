@@ -242,4 +242,3 @@ class DelayCorrectedOptimizer:
         self.wrapped.load_state_dict(pop_state(state_dict, STATE_KEY, self.delay_correction.load_state_dict))
 
 
-ErrorFeedbackOptimizer = DelayCorrectedOptimizer  # the EF rule is the default

@@ -1,7 +1,7 @@
 """The `--out` folder of prepare-data: built aside, swapped in whole, never mixed with a previous run.
 
-Writing in place used to leave a stale split behind when a new run wrote fewer files, and a
-run killed midway left a new tokenizer next to old datasets. Now every run writes into a
+Writing in place would leave a stale split behind when a new run wrote fewer files, and a
+run killed midway a new tokenizer next to old datasets. So every run writes into a
 staging folder next to `--out` (same parent, so renames are atomic), and only a complete
 folder is moved into place: readers see the old folder or the new one, never a mix. The
 previous folder goes with everything in it, Megatron's index cache included (GPTDataset keys

@@ -1,8 +1,8 @@
 """Bytes of an input file -> text, refusing what would silently become garbage training data.
 
-Two mistakes used to pass unnoticed: a binary file (an executable renamed .txt) became a
-"document", and a UTF-8 file with one bad byte was decoded whole as Latin-1, garbling every
-accented character. Both are now refused with the file's name; `--encoding` names another
+Two mistakes would pass unnoticed: a binary file (an executable renamed .txt) becoming a
+"document", and a UTF-8 file with one bad byte decoded whole as Latin-1, garbling every
+accented character. Both are refused with the file's name; `--encoding` names another
 encoding when the file really uses one.
 """
 

@@ -12,7 +12,7 @@ import argparse
 import os
 import re
 
-from megatron_async.corrections.simulated_delay import parse_delays
+from megatron_async.stash.delay_reference import parse_delays
 from megatron_async.schedules.registry import delayed_runtime
 
 

@@ -285,7 +285,7 @@ class DelayedRun:
                 stash.point_to(stash.newest)
                 return forward_backward(model=model, forward_only=True, **kwargs)
             if self.version_for is None:
-                from megatron_async.corrections.simulated_delay import version_for_step
+                from megatron_async.stash.delay_reference import version_for_step
 
                 args = get_args()
                 chunks = model if isinstance(model, list) else [model]

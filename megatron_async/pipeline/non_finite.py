@@ -76,8 +76,8 @@ class LossFlag:
     Made on the device before the optimizer step and copied to pinned host memory
     behind an event. The step's own gradient-norm read (Megatron's `get_grad_norm`)
     waits for the device anyway, so the read after the step finds the copy done:
-    the last stage no longer blocks once per microbatch on `float(loss)` after the
-    step, which waited for the optimizer and stash kernels too.
+    the last stage does not block once per microbatch on `float(loss)` after the
+    step, which would wait for the optimizer and stash kernels too.
     """
 
     def __init__(self, reports: list[dict]):

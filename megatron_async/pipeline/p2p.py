@@ -121,7 +121,7 @@ class PendingSends:
     so the wait returns at once and never deadlocks. The number held is bounded
     whatever the run length: right before its step t a stage still holds its sends
     of batch t-1 and t and of batch t+1's warm-up (about two batches; the memory plan
-    counts them exactly by replaying the stream, megatron_async/planning/p2p.py).
+    counts them exactly by replaying the stream, megatron_async/planning/send_buffers.py).
     """
 
     def __init__(self, num_microbatches: int):

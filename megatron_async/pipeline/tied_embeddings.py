@@ -17,7 +17,7 @@ twin. The first stage owns the weight:
   weights into the stash, the first point that reads them (batch t+1 runs at W(t),
   held by the stash). The last stage's own update of O is discarded that way.
 
-Timing, from the action lists (planning/tied_embeddings.py, tests/test_tied_timing.py):
+Timing, from the action lists (planning/tied_link_timing.py, tests/test_tied_timing.py):
 the last stage reaches OptimizerStep(t) (p-1) backward slots before the first stage,
 so the gradient waits for nobody; W(t+1) is needed m(F+B) - (p-1)B later. Each
 pipeline's (first, last) pair talks over a group of its own, so the transfers never

@@ -24,7 +24,7 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
 - 2bw's point-to-point buffers: the tensors a stage has sent and holds until the
   sends retire after its next optimizer step, plus an output not yet posted and a
   receive not yet consumed, at their peak, counted exactly by replaying the 2bw
-  action stream (plan_p2p.py), each of the activation shape in the pipeline dtype;
+  action stream (planning/send_buffers.py), each of the activation shape in the pipeline dtype;
 - with tied embeddings under 2bw, the link's buffers (pipeline/tied_embeddings.py):
   the first stage one gradient of the vocabulary x hidden weight (this rank's
   tensor-parallel shard), the last stage a copy of its gradient and a weight buffer.
@@ -161,7 +161,7 @@ def layer_shape(args):
 
 def plan(args) -> list[dict]:
     """One row per pipeline stage: parameters of the stage and of one GPU, memory in GB."""
-    from megatron_async.planning.p2p import activation_tensor_bytes, stage_peaks, stage_peaks_on_completion
+    from megatron_async.planning.send_buffers import activation_tensor_bytes, stage_peaks, stage_peaks_on_completion
 
     args, config = _plan_config(args)
     p, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size

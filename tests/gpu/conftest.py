@@ -3,7 +3,7 @@
 Markers say what else a test needs: `gpus(n)` at least n GPUs, `te` Transformer
 Engine, `fp8` TE's fp8 on this GPU; a test whose need is not met is skipped with
 the reason. Where CUDA is present the environment is probed once (in a
-subprocess, gpu_env.py) and everything the session ran is written to
+subprocess, tests/support/gpu/env.py) and everything the session ran is written to
 $MEGATRON_ASYNC_GPU_REPORT/report.json (default out/gpu), to be quoted in
 docs/benchmarks.md.
 """

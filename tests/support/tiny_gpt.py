@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_async.megatron_lm import layout_invariant_init
 from megatron_async.planning.parallel import init_model_parallel
 from megatron_async.schedules.registry import delayed_runtime, get_forward_backward_func
-from megatron_async.corrections.simulated_delay import version_for_step
+from megatron_async.stash.delay_reference import version_for_step
 from tests.support.forward_step import gpt_forward_step, reduce_lm_loss
 from tests.support.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
 

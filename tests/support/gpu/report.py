@@ -2,7 +2,7 @@
 
 A GPU run is rare and its numbers go into docs/benchmarks.md, so the suite writes
 everything needed to quote it to one JSON file: the device and the torch / TE /
-NCCL / CUDA versions (gpu_env.py), each test's outcome and duration, and the
+NCCL / CUDA versions (tests/support/gpu/env.py), each test's outcome and duration, and the
 values tests hand to `record` (errors against tolerances, losses, s/iteration).
 The directory is $MEGATRON_ASYNC_GPU_REPORT (default out/gpu); the file is
 report.json there, and tests may write further files next to it.

@@ -6,7 +6,7 @@ Under 2bw a microbatch A of batch t+1 runs its forward at version v before the
 optimizer step, the next batch's first microbatch then runs at v+1 (Megatron
 raises `is_first_microbatch` there, which refreshes TE's cached fp8 weights in
 place), and only then does A's backward run, at v. This module plays exactly
-that order on a TE stage (gpu_te_stage.py) with the weight stash, then computes
+that order on a TE stage (tests/support/gpu/te_stage.py) with the weight stash, then computes
 A's gradients again the plain way: the same modules loaded with v's weights,
 forward and backward back to back, no stash, no cache, and with the fp8 scales
 the interleaved run used for each microbatch. It writes relative errors

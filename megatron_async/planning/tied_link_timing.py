@@ -60,7 +60,7 @@ def grad_receive_open(num_stages: int, microbatches: int, posted_at: str = "sent
     sends it (the end of its last backward of b), over the steady batches, in the
     simulator's units; the batch period is m (F + B). `posted_at`: "sent", once batch b's
     last activation send is posted (the runtime); "first backward", at b's first backward
-    (as it was). While posted it is device work that a whole-device wait on stage 0 waits
+    (the alternative it is compared with). While posted it is device work that a whole-device wait on stage 0 waits
     for, and on NCCL a kernel spinning on stage 0's GPU."""
     p, m = num_stages, microbatches
     lists = two_bw(p, m, batches)
