@@ -50,7 +50,7 @@ from pathlib import Path
 
 from bench.results import emit
 from bench.throughput import stage_breakdown
-from megatron_async.testing.launch import start_torchrun
+from tests.support.launch import start_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = dict(layers=32, hidden=128, heads=4, vocab=32768, seq=128, mbs=2)
