@@ -30,8 +30,8 @@ embedding and the output layer with its loss cost here (passes and optimizer ste
 each alone), next to the cost model's terms.
 
 Every run is a real `pretrain()` job (mock data, one CPU thread a rank). On 2 cores the
-default (6 rounds, 16 iterations: 24 jobs) took 30 minutes beside other test runs
-(load average 5 to 38); a PP=2 job alone takes about 25 s, a PP=4 job about 45 s.
+default (6 rounds, 16 iterations: 24 jobs) takes about 30 minutes with other test runs
+sharing the machine; --rounds 4 takes two thirds of that.
 """
 
 from __future__ import annotations
