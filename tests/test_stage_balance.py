@@ -173,3 +173,17 @@ def test_each_cost_term_follows_the_flag_that_makes_it():
     assert ep.terms["layer_pass"] > cost_model(_args(num_experts=8), moe_layer).terms["layer_pass"]
     mtp = cost_model(_args(mtp_num_layers=1), _layer())
     assert mtp.terms["mtp_layers"] == pytest.approx(tied.layer + tied.terms["output_layer_and_loss"])
+
+
+@pytest.mark.parametrize("unit", [1.0, 1e-6, 1e6])
+def test_the_split_does_not_depend_on_the_cost_unit(unit):
+    """Costs in seconds (a layer ~1e-6 s) split as the same costs in layers: the tie between
+    equally slow splits is broken by evenness at any scale. Control: the brute-force best
+    (most even among the fastest) is what comes back."""
+    layers, head = 32, 19.6
+    split = best_split([unit] * layers, 4, last_extra=head * unit)
+    fastest = min(max(stage_costs(c, [1.0] * layers, last_extra=head)) for c in _compositions(layers, 4))
+    evenest = min((sum(x * x for x in stage_costs(c, [1.0] * layers, last_extra=head)), c)
+                  for c in _compositions(layers, 4)
+                  if abs(max(stage_costs(c, [1.0] * layers, last_extra=head)) - fastest) < 1e-9)[1]
+    assert split.layers == evenest, (unit, split.layers)

@@ -56,11 +56,15 @@ def best_split(layer_costs: Sequence[float], stages: int, first_extra: float = 0
     total = len(costs)
     if stages < 1 or total < stages:
         raise ValueError(f"cannot split {total} layers over {stages} stages with at least one layer each")
+    # compared in units of the mean layer, so the rounding that makes equal splits tie (float
+    # noise) is relative: costs in seconds (1e-6) would otherwise all round to one value
+    unit = sum(costs) / total or 1.0
+    scaled, first, last = [c / unit for c in costs], first_extra / unit, last_extra / unit
     if first_and_last_only:
         candidates = [c for c in _first_and_last_splits(total, stages)]
     else:
-        candidates = [_dynamic(costs, stages, first_extra, last_extra)]
-    scored = [(_score(stage_costs(c, costs, first_extra, last_extra)), c) for c in candidates]
+        candidates = [_dynamic(scaled, stages, first, last)]
+    scored = [(_score(stage_costs(c, scaled, first, last)), c) for c in candidates]
     _score_value, counts = min(scored)
     return Split(tuple(counts), stage_costs(counts, costs, first_extra, last_extra))
 
