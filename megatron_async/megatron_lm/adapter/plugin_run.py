@@ -21,9 +21,9 @@ RUN_ATTR = "megatron_async_run"
 
 class PluginRun:
     def __init__(self, delayed: bool):
-        from megatron_async.megatron_lm.metrics import MetricsRecorder
-        from megatron_async.megatron_lm.moe_routing import RoutingCounts
-        from megatron_async.megatron_lm.runtime import DelayedRun
+        from megatron_async.megatron_lm.observability.metrics import MetricsRecorder
+        from megatron_async.megatron_lm.observability.moe_routing import RoutingCounts
+        from megatron_async.megatron_lm.adapter.runtime import DelayedRun
 
         self.delayed = DelayedRun() if delayed else None
         self.metrics = MetricsRecorder()
@@ -40,7 +40,7 @@ class PluginRun:
 
 def start(args) -> PluginRun:
     """This run's object, made once (a second call returns the first)."""
-    from megatron_async.megatron_lm.runtime import is_delayed
+    from megatron_async.megatron_lm.adapter.runtime import is_delayed
 
     run = current(args)
     if run is None:

@@ -124,9 +124,9 @@ def saved_megatron_args(directory: str):
 def holds_a_stash(directory: str) -> bool:
     """Whether a checkpoint directory holds a 2bw weight stash, read from its files alone:
     torch_dist lists it in `.metadata`, the torch format keeps per-rank files beside."""
-    from megatron_async.megatron_lm import side_state
+    from megatron_async.megatron_lm.checkpoint import side_files
 
-    if os.path.isdir(os.path.join(directory, side_state.SUBDIR)):
+    if os.path.isdir(os.path.join(directory, side_files.SUBDIR)):
         return True
     try:
         from torch.distributed.checkpoint import FileSystemReader

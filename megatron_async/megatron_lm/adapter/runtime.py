@@ -21,7 +21,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_async.corrections.delay_correction import RULES
-from megatron_async.megatron_lm.checkpoint import snapshot_rng
+from megatron_async.megatron_lm.checkpoint.marker import snapshot_rng
 from megatron_async.pipeline.delayed_step import delayed_optimizer_step
 from megatron_async.schedules.registry import delayed_runtime
 
@@ -48,13 +48,13 @@ class DelayedStepOptimizer:
         return getattr(self.optimizer, name)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        from megatron_async.stash.per_rank_state import add_state
+        from megatron_async.megatron_lm.checkpoint.optimizer_state import add_state
 
         state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if self.run.stale_norm is not None:
             add_state(state, STALE_NORM_KEY, self.run.stale_norm.state_dict, is_loading, self.load_stale_norm)
         if not is_loading or (self.load_stash and self.run.resumed.get("stash_layout") == "sharded"):
-            from megatron_async.stash import checkpoint as stash_checkpoint
+            from megatron_async.stash import stash_checkpoint
 
             # laid out like the model's weights, so torch_dist reshards it with them
             state[STASH_KEY] = stash_checkpoint.sharded_state_dict(self.stash, model_sharded_state_dict)
@@ -62,21 +62,21 @@ class DelayedStepOptimizer:
         return add_state(state, STASH_KEY, self.stash.state_dict, is_loading, self.load_stash)  # older checkpoints
 
     def load_state_dict(self, state_dict) -> None:
-        from megatron_async.stash.per_rank_state import pop_state
+        from megatron_async.megatron_lm.checkpoint.optimizer_state import pop_state
 
         if self.run.stale_norm is not None:
             state_dict = pop_state(state_dict, STALE_NORM_KEY, self.run.stale_norm.load_state_dict)
         self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self._load_stash))
         if self.run.resumed.get(STASH_KEY) and self.run.resumed.get("per_rank_state") == "files":
-            from megatron_async.megatron_lm import side_state
+            from megatron_async.megatron_lm.checkpoint import side_files
 
-            self.run.load_per_rank_state(side_state.load(self.run.resumed["loaded_from"]))
+            self.run.load_per_rank_state(side_files.load(self.run.resumed["loaded_from"]))
 
     def _load_stash(self, state: dict) -> None:
         if not self.load_stash:  # not asked for: torch_dist still returns its plain values (common state)
             return
         if "sharded_slots" in state:
-            from megatron_async.stash import checkpoint as stash_checkpoint
+            from megatron_async.stash import stash_checkpoint
 
             stash_checkpoint.load(self.stash, state)
         else:  # a per-rank object, as checkpoints before the sharded layout hold it
@@ -93,7 +93,7 @@ class DelayedRun:
     """One delayed-weight run (2bw, or --simulated-delay) in Megatron's loop: its weight
     stash, the 2bw runner, the step it is at, the stale global norm, the stop agreement and
     what the checkpoint it resumed from holds. Made in the optimizer hook
-    (megatron_lm/plugin_run.py), reached by the hooks through `plugin_run.current()`;
+    (megatron_lm/adapter/plugin_run.py), reached by the hooks through `plugin_run.current()`;
     nothing of it lives in a module."""
 
     def __init__(self):
@@ -115,7 +115,7 @@ class DelayedRun:
         Returns the optimizer Megatron's loop is to use."""
         from megatron.training import get_args
 
-        from megatron_async.megatron_lm.checkpoint import saved_contents
+        from megatron_async.megatron_lm.checkpoint.marker import saved_contents
         from megatron_async.pipeline.grad_stats import make_stage_local
         from megatron_async.stash.weight_stash import WeightStashManager
 
@@ -127,7 +127,7 @@ class DelayedRun:
         in_optimizer = resumed.get("per_rank_state", "optimizer") == "optimizer"  # else in per-rank files
         if args.delay_correction in RULES:
             from megatron_async.corrections.delay_correction import DelayCorrectedOptimizer
-            from megatron_async.megatron_lm.flags import nesterov_beta
+            from megatron_async.megatron_lm.adapter.flags import nesterov_beta
 
             optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
                                                 dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args))
@@ -177,7 +177,7 @@ class DelayedRun:
         if stash.restored and stash.newest == args.iteration:
             return
         if self.resumed.get(STASH_KEY) and not (args.no_load_optim or args.finetune):
-            from megatron_async.megatron_lm.side_state import CheckpointStateError
+            from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
 
             raise CheckpointStateError(
                 f"megatron-async: the checkpoint in {self.resumed.get('loaded_from')} says it holds the 2bw weight "
@@ -203,7 +203,7 @@ class DelayedRun:
         otherwise) and the layout it was saved at."""
         from megatron.training import get_args
 
-        from megatron_async.megatron_lm.side_state import layout
+        from megatron_async.megatron_lm.checkpoint.side_files import layout
 
         args = get_args()
         if self.stash is None or args.no_save_optim:
