@@ -5,8 +5,10 @@
   the delayed run and its optimizer (runtime.py), the one object per training run
   (plugin_run.py), the GPT entry point (gpt.py) and the layout-invariant weight
   initialisation (layout_invariant_init.py).
-- `checkpoint/`: what a Megatron checkpoint holds of ours and how it gets there (the
-  stash's own torch_dist layout is stash/stash_checkpoint.py).
+- `checkpoint/`: what a Megatron checkpoint holds of ours and how it gets there: the
+  optimizer's sharded state (optimizer_state.py), per-rank files for the torch format
+  (side_files.py), `megatron_async.json` (marker.py) and the saved RNG (saved_rng.py);
+  the stash's own torch_dist layout is stash/stash_checkpoint.py.
 - `safety/`: what keeps a run from losing work or hanging: one writer per --save
   (save_lock.py), room for a checkpoint (save_space.py), no silent restart over
   checkpoints (checkpoint_guard.py), one line and exit code per failure (failures.py),

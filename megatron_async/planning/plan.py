@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     _print_balance(found)
     from megatron_async.megatron_lm.safety.save_space import bytes_per_parameter
 
-    checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (save_space.py)
+    checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (safety/save_space.py)
     print(f"one checkpoint: about {checkpoint_gb:.1f} GB ({bytes_per_parameter(args)} bytes a parameter)")
     fits = fits_on_gpu(rows, ns.gpu_gb)
     print(f"every stage fits in {ns.gpu_gb:g} GB, during a save too" if fits

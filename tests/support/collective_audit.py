@@ -16,7 +16,7 @@ MEGATRON_ASYNC_AUDIT_INJECT=1 adds one world all-reduce per iteration: the
 negative control that shows the audit catches a cross-stage collective.
 MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT=1 leaves Megatron's checkpoint_and_decide_exit
 unhooked, so its own per-iteration exit checks run (another negative control);
-MEGATRON_ASYNC_AUDIT_UNHOOK=NAME[,NAME] leaves those hooks of hooks.py unhooked
+MEGATRON_ASYNC_AUDIT_UNHOOK=NAME[,NAME] leaves those hooks of megatron_lm/adapter/hooks.py unhooked
 (e.g. _allreduce_word_embedding_grads: Megatron's tied-embedding all-reduce).
 """
 

@@ -6,7 +6,7 @@ how it is wrapped. `install()` checks that every name exists before changing
 anything, and fails naming the missing one on another Megatron version.
 Nothing else in the project patches Megatron's training package. Besides these,
 `_train` registers forward hooks on an MoE model's TopKRouter modules
-(moe_routing: tokens per expert, for --metrics-json).
+(observability/moe_routing.py: tokens per expert, for --metrics-json).
 """
 
 from __future__ import annotations
@@ -213,7 +213,8 @@ def _save_checkpoint(original):
         from megatron.training import get_args
 
         from megatron_async.megatron_lm.checkpoint import side_files
-        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir, write_marker
+        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir, contents_to_save, write_marker
+        from megatron_async.megatron_lm.checkpoint.optimizer_state import per_rank_state
 
         root = get_args().save
         from megatron_async.megatron_lm.safety.save_lock import check_before_save
@@ -223,9 +224,9 @@ def _save_checkpoint(original):
         if delayed is None:
             return original(iteration, *args, **kwargs)
         delayed.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
-        contents = delayed.saved_contents_marker()
+        contents = contents_to_save(delayed)
         if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
-            side_files.save(checkpoint_dir(root, iteration), delayed.per_rank_state())
+            side_files.save(checkpoint_dir(root, iteration), per_rank_state(delayed))
             write_marker(root, iteration, contents, create=True)
         if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into:
             delayed.marker_due = (root, iteration, contents)  # written when Megatron names its tracker
@@ -377,18 +378,18 @@ def _check_scheduler_value(original):
 def _get_rng_state(original):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
-        from megatron_async.megatron_lm.checkpoint import marker
+        from megatron_async.megatron_lm.checkpoint import saved_rng
 
         delayed = plugin_run.delayed()
-        snapshot = marker.rng_for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
+        snapshot = saved_rng.rng_for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
         if snapshot is None:
             return original(*args, **kwargs)
-        current = marker.capture_rng()
-        marker.restore_rng(snapshot)
+        current = saved_rng.capture_rng()
+        saved_rng.restore_rng(snapshot)
         try:
             return original(*args, **kwargs)
         finally:
-            marker.restore_rng(current)
+            saved_rng.restore_rng(current)
 
     return hooked
 

@@ -6,8 +6,8 @@ lives exactly as long as the run. It owns the delayed run's state (runtime.Delay
 under 2bw or --simulated-delay), the --metrics-json recorder and the MoE routing
 counts. Two runs in one process share nothing of it. What belongs to the process, not a
 run, stays with the process: the hooks installed into Megatron's modules (hooks.py), the
-launcher watch (launcher_watch.py) and the --save locks' file descriptors, which a fork
-handler must find (save_lock.py). Megatron pickles `args` into every checkpoint: a
+launcher watch (safety/launcher_watch.py) and the --save locks' file descriptors, which a fork
+handler must find (safety/save_lock.py). Megatron pickles `args` into every checkpoint: a
 PluginRun pickles as an empty set, so nothing of it is saved there and `current()` of a
 loaded args object is None.
 """
