@@ -12,7 +12,7 @@ setup(
     packages=find_packages(include=["megatron_async", "megatron_async.*"]),
     # Ranges, not pins: inside an NVIDIA PyTorch container the container's own torch
     # (a CUDA build), Transformer Engine and apex must stay. The hooks target
-    # megatron-core 0.19.x (megatron_async/megatron_lm/hooks.py checks every name).
+    # megatron-core 0.19.x (megatron_async/megatron_lm/adapter/hooks.py checks every name).
     # The exact versions tested are in constraints.txt (`make setup`).
     install_requires=[
         "torch>=2.6",

@@ -59,4 +59,4 @@ if ! diff -u "$WORK/keep.txt" "$WORK/after.txt"; then
   echo "install.sh: the install changed the packages above; it must not" >&2
   exit 1
 fi
-"$PYTHON" -c "from megatron_async.megatron_lm.hooks import install; install(); print('install.sh: plugin hooks in place')"
+"$PYTHON" -c "from megatron_async.megatron_lm.adapter.hooks import install; install(); print('install.sh: plugin hooks in place')"

@@ -29,7 +29,7 @@ def parse(argv: list[str], world: int, cpu_flags: bool = False):
     from megatron_async.launch import with_cpu_flags
 
     os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
-    sys.argv = ["megatron_async.megatron_lm.gpt", *(with_cpu_flags(list(argv)) if cpu_flags else argv)]
+    sys.argv = ["megatron_async.megatron_lm.adapter.gpt", *(with_cpu_flags(list(argv)) if cpu_flags else argv)]
     # parse_and_validate_args without its last step (building the tokenizer and the
     # global state): the tokenizer of a cluster job may not be on this machine
     args = arguments.validate_args(arguments.parse_args(), {"tokenizer_type": "NullTokenizer"})
@@ -44,7 +44,7 @@ def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
     """{"refused": bool, "error": message or None, "by": who refused} for Megatron's parser
     and validation with our hooks, as the GPT entry runs them. "by" is "megatron-async"
     (our checks), "argparse" or "megatron" (Megatron's own assertions), None if accepted."""
-    from megatron_async.megatron_lm.flags import FlagError
+    from megatron_async.megatron_lm.adapter.flags import FlagError
 
     stderr = io.StringIO()
     try:
@@ -67,7 +67,7 @@ def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
 def prepare() -> None:
     """The plugin's hooks, and the CPU emulation where CUDA is absent (once per process)."""
     from megatron_async import cpu
-    from megatron_async.megatron_lm.hooks import install
+    from megatron_async.megatron_lm.adapter.hooks import install
 
     cpu.setup_device("auto")
     install()

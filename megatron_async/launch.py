@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 8 -m megatron_async.launch /path/to/Megatron-LM/pretrain_gpt.py ARGS...
     torchrun --nproc-per-node 2 -m megatron_async.launch --gpt ARGS...    # our GPT entry, no checkout
 
-Installs the hooks (megatron_async.megatron_lm.hooks) and, only on a machine
+Installs the hooks (megatron_async.megatron_lm.adapter.hooks) and, only on a machine
 without CUDA, the CPU emulation; then runs the script as `__main__` with ARGS as
 its command line, so `--pipeline-schedule 2bw` and our other flags are parsed by
 Megatron's own parser. A flag refused before training prints one line naming it
@@ -38,13 +38,13 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
         print(__doc__)
         return 0 if argv else 2
-    from megatron_async.megatron_lm.launcher_watch import exit_with_launcher
+    from megatron_async.megatron_lm.safety.launcher_watch import exit_with_launcher
 
     exit_with_launcher()
     from megatron_async import cpu
 
     on_cpu = cpu.setup_device("auto") == "cpu"
-    from megatron_async.megatron_lm.hooks import install
+    from megatron_async.megatron_lm.adapter.hooks import install
 
     install()
     script, rest = argv[0], argv[1:]
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         if on_cpu:
             cpu.write_exit_report()
     if code:  # our refusal or stop: the process groups still hold gloo/NCCL threads, which
-        from megatron_async.megatron_lm import exit_flush
+        from megatron_async.megatron_lm.safety import exit_flush
 
         exit_flush.before_exit(code)  # os._exit skips TensorBoard's and W&B's own flushes
         sys.stdout.flush()  # can abort a normal exit (SIGABRT) and so replace our exit code
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
 
 def _run_and_finish(script: str, rest: list[str]) -> int:
-    from megatron_async.megatron_lm import failures
+    from megatron_async.megatron_lm.safety import failures
 
     try:
         _run(script, rest)
@@ -86,9 +86,9 @@ def _run_and_finish(script: str, rest: list[str]) -> int:
 
 def _run(script: str, rest: list[str]) -> None:
     if script == "--gpt":
-        from megatron_async.megatron_lm import gpt
+        from megatron_async.megatron_lm.adapter import gpt
 
-        sys.argv = ["megatron_async.megatron_lm.gpt", *rest]
+        sys.argv = ["megatron_async.megatron_lm.adapter.gpt", *rest]
         gpt.main()
     else:
         sys.argv = [script, *rest]
@@ -102,7 +102,7 @@ def _finish() -> None:
     import torch.distributed as dist
     from megatron.training import get_args
 
-    from megatron_async.megatron_lm import plugin_run
+    from megatron_async.megatron_lm.adapter import plugin_run
 
     if dist.is_initialized():
         run = plugin_run.current()

@@ -2,7 +2,7 @@
 
 `--ckpt-format torch_dist` carries it inside the optimizer's sharded state dict
 (tests/test_megatron_loop.py); `--ckpt-format torch` has no per-rank objects, so
-every rank writes its own file next to the checkpoint (megatron_lm/side_state.py).
+every rank writes its own file next to the checkpoint (megatron_lm/checkpoint/side_files.py).
 Each format resumes bitwise (tolerance 1e-6 relative, as test_megatron_loop.py) with
 dropout; what megatron_async.json promises is checked on load (a missing rank file
 stops the run naming it); and a layout the stash cannot be laid out for is refused

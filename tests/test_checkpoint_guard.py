@@ -1,6 +1,6 @@
 """No silent fresh start over checkpoints; a bad --save or checkpoint is named before training.
 
-The file-system rules (megatron_lm/checkpoint_guard.py) on fake checkpoint trees,
+The file-system rules (megatron_lm/safety/checkpoint_guard.py) on fake checkpoint trees,
 the same cases through Megatron's own argument validation with the plugin
 (tests/test_refusals.py's harness), and real runs: a truncated checkpoint and a
 changed --train-iters on resume are each reported in one line naming what to do.
@@ -12,7 +12,7 @@ import pytest
 from test_megatron_loop import RESUME, _run
 from test_refusals import BASE
 
-from megatron_async.megatron_lm.checkpoint_guard import resume_problem, unwritable_save
+from megatron_async.megatron_lm.safety.checkpoint_guard import resume_problem, unwritable_save
 from tests.support.refusals import check_in_one_process
 
 
@@ -175,7 +175,7 @@ def test_damaged_files_are_found_by_their_recorded_sizes(tmp_path):
     """torch format: a truncated .pt is no whole zip archive; an intact one is not named."""
     import torch
 
-    from megatron_async.megatron_lm.checkpoint_guard import damaged_files
+    from megatron_async.megatron_lm.safety.checkpoint_guard import damaged_files
 
     good, bad = tmp_path / "mp_rank_00" / "model_optim_rng.pt", tmp_path / "mp_rank_01" / "model_optim_rng.pt"
     for path in (good, bad):
@@ -254,7 +254,7 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
 def test_a_resume_that_will_train_nothing_says_so(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from megatron_async.megatron_lm.flags import _say_when_nothing_will_train
+    from megatron_async.megatron_lm.adapter.flags import _say_when_nothing_will_train
 
     root = _checkpoints(tmp_path / "ckpt", [8], tracker=8)
     for iters, said in ((8, True), (4, True), (12, False)):

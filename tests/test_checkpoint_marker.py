@@ -2,7 +2,7 @@
 stash), or the resume is refused.
 
 - `torch_dist`: the marker is written when Megatron names its tracker file, after every
-  rank saved and before the tracker is written (hooks.py, get_checkpoint_tracker_filename).
+  rank saved and before the tracker is written (megatron_lm/adapter/hooks.py, get_checkpoint_tracker_filename).
   A job that dies right after Megatron's save of iteration 8 returned (tracker written,
   nothing of ours after it run) leaves iteration 8 with its marker, and the resume trains.
 - A tracked checkpoint whose files hold a stash but whose marker was deleted (lost, or

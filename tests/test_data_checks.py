@@ -109,7 +109,7 @@ def test_a_refusal_names_the_flag_the_data_came_from(small_corpus, vocab300, fla
     --data-path, not --train-data-path."""
     from types import SimpleNamespace
 
-    from megatron_async.megatron_lm.flags import FlagError, _check_data
+    from megatron_async.megatron_lm.adapter.flags import FlagError, _check_data
 
     prefix = str(small_corpus / "train_text_document")
     args = SimpleNamespace(mock_data=False, train_data_path=[prefix] if flag == "--train-data-path" else None,

@@ -1,4 +1,4 @@
-"""A stop of ours leaves through os._exit (megatron_lm/exit_flush.py): what Megatron's
+"""A stop of ours leaves through os._exit (megatron_lm/safety/exit_flush.py): what Megatron's
 writers hold is flushed first, and an unfinished asynchronous save is named.
 
 A diverging 2bw run (PP=2, the learning rate far too high) stops on its non-finite
@@ -58,7 +58,7 @@ def test_the_writers_are_flushed_and_wandb_finished_with_the_exit_code(monkeypat
     """Negative control in the same test: without before_exit nothing reaches them."""
     from megatron.training import global_vars
 
-    from megatron_async.megatron_lm import exit_flush
+    from megatron_async.megatron_lm.safety import exit_flush
 
     board, wandb = _Recorder(), _Recorder()
     monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", board)
@@ -71,7 +71,7 @@ def test_the_writers_are_flushed_and_wandb_finished_with_the_exit_code(monkeypat
 def test_an_unfinished_asynchronous_save_is_named(monkeypatch, capsys):
     from megatron.training import async_utils
 
-    from megatron_async.megatron_lm import exit_flush
+    from megatron_async.megatron_lm.safety import exit_flush
 
     monkeypatch.setattr(async_utils, "is_empty_async_queue", lambda: False)
     exit_flush.before_exit(3)

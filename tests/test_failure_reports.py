@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_async.megatron_lm import failures
+from megatron_async.megatron_lm.safety import failures
 
 PEER_LOSS = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:131"
 

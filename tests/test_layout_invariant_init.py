@@ -9,7 +9,7 @@ or every expert-parallel rank would draw the same experts.
 import pytest
 import torch
 
-from megatron_async.megatron_lm import layout_invariant_init
+from megatron_async.megatron_lm.adapter import layout_invariant_init
 
 
 class _Layer(torch.nn.Module):

@@ -94,7 +94,7 @@ if __name__ == "__main__":  # as pretrain_gpt.py: a spawned child re-imports thi
         from megatron_async.launch import with_cpu_flags
 
         sys.argv = [sys.argv[0], *with_cpu_flags(sys.argv[1:])]
-    from megatron_async.megatron_lm import gpt, hooks
+    from megatron_async.megatron_lm.adapter import gpt, hooks
 
     assert hooks._INSTALLED and megatron.training.__file__.startswith({root!r})
     gpt.main()

@@ -169,7 +169,7 @@ def test_a_refused_flag_stops_every_rank_before_training(tmp_path):
 
 
 def test_install_names_a_missing_megatron_function(monkeypatch):
-    from megatron_async.megatron_lm import hooks
+    from megatron_async.megatron_lm.adapter import hooks
 
     missing = hooks.Hook("megatron.training.training", "no_such_function", "nowhere", lambda f: f)
     monkeypatch.setattr(hooks, "HOOKS", hooks.HOOKS + (missing,))
@@ -279,7 +279,7 @@ def test_non_finite_loss_stops_every_schedule_before_any_checkpoint(tmp_path, sc
     assert proc.returncode == 3, proc.stdout[-3000:]
     stops = [line for line in proc.stdout.splitlines() if ": stopped: iteration " in line]
     assert stops and all("on pipeline stage " in line for line in stops), proc.stdout[-3000:]
-    from megatron_async.megatron_lm.save_lock import LOCK_NAME
+    from megatron_async.megatron_lm.safety.save_lock import LOCK_NAME
 
     assert not save.exists() or not [p for p in save.iterdir() if p.name != LOCK_NAME]  # the job's lock only
 
@@ -347,7 +347,7 @@ def test_every_hooked_megatron_name_is_listed_in_the_docs():
     """docs/megatron_lm.md's table names every function the plugin hooks."""
     from pathlib import Path
 
-    from megatron_async.megatron_lm import hooks
+    from megatron_async.megatron_lm.adapter import hooks
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "megatron_lm.md").read_text()
     missing = [f"{h.module}.{h.name}" for h in hooks.HOOKS

@@ -1,4 +1,4 @@
-"""The routing record of an MoE model in `--metrics-json` (megatron_lm/moe_routing).
+"""The routing record of an MoE model in `--metrics-json` (megatron_lm/observability/moe_routing).
 
 - Tokens per expert: counted from each TopKRouter's routing map; the imbalance
   (max / mean per expert) equals one computed with numpy from the same assignments.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_async.megatron_lm import moe_routing
+from megatron_async.megatron_lm.observability import moe_routing
 from tests.support.megatron_log import printed_aux_losses
 from tests.support.warm_launch import warm_run
 from tests.test_megatron_loop import CPU, MODEL, TRAIN

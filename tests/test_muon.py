@@ -348,7 +348,7 @@ def test_other_emerging_optimizers_train():
     """Megatron's other emerging optimizers (lion, soap) build and lower the loss; its
     adaptive_muon cannot step with emerging-optimizers 0.3.0 and is refused
     (tests/test_refusals.py)."""
-    from megatron_async.megatron_lm.optimizer_probe import failure
+    from megatron_async.megatron_lm.adapter.optimizer_probe import failure
 
     assert failure("adaptive_muon") is not None
     names = ("lion", "soap")

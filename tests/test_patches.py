@@ -31,7 +31,7 @@ def test_patch_applies_and_importing_megatron_training_installs_the_hooks(tmp_pa
     probe = (
         "import megatron.training, megatron.training.training as t\n"
         f"assert megatron.training.__file__.startswith({str(root)!r}), megatron.training.__file__\n"
-        "from megatron_async.megatron_lm import hooks\n"
+        "from megatron_async.megatron_lm.adapter import hooks\n"
         "assert hooks._INSTALLED, 'hooks not installed'\n"
         "assert t.get_forward_backward_func.__wrapped__\n"
         "import sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
@@ -47,7 +47,7 @@ def test_unpatched_megatron_has_no_hooks(tmp_path):
     """The negative control: the same probe without the patch finds nothing installed."""
     root = tmp_path / "megatron-lm"
     shutil.copytree(MEGATRON, root / "megatron")
-    probe = ("import megatron.training\nfrom megatron_async.megatron_lm import hooks\n"
+    probe = ("import megatron.training\nfrom megatron_async.megatron_lm.adapter import hooks\n"
              "assert not hooks._INSTALLED\n")
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -88,7 +88,7 @@ def test_the_launcher_on_a_patched_checkout_hooks_each_name_once(tmp_path):
     root = _patched_copy(tmp_path)
     probe = (
         "import sys\n"
-        "from megatron_async.megatron_lm.hooks import install, _INSTALLED\n"
+        "from megatron_async.megatron_lm.adapter.hooks import install, _INSTALLED\n"
         "install()\n"
         "import megatron.training.arguments as A, megatron.training.training as T\n"
         f"assert A.__file__.startswith({str(root)!r}), A.__file__\n"

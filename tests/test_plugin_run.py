@@ -1,4 +1,4 @@
-"""One object per training run (megatron_lm/plugin_run.py): the hooks reach the run's state
+"""One object per training run (megatron_lm/adapter/plugin_run.py): the hooks reach the run's state
 through `plugin_run.current()`, two runs share nothing, and Megatron's pickling of its
 args into a checkpoint saves nothing of ours. Control: a run reached through another
 args object is another run."""
@@ -6,7 +6,7 @@ args object is another run."""
 import pickle
 from types import SimpleNamespace
 
-from megatron_async.megatron_lm import plugin_run
+from megatron_async.megatron_lm.adapter import plugin_run
 
 
 def _args(**over):

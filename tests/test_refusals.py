@@ -245,7 +245,7 @@ def _refused_after_megatron_entry(rank, world_size, flag):
     """In a child process: prepare() installs the hooks and the CPU emulation for good,
     which must not leak into the pytest worker's other modules (test_cpu_emulation)."""
     from megatron_async.check_flags import parse, prepare
-    from megatron_async.megatron_lm.flags import FlagError, validate
+    from megatron_async.megatron_lm.adapter.flags import FlagError, validate
 
     prepare()
     args = parse(BASE + TWO_BW + SAVE, 2, cpu_flags=True)

@@ -1,4 +1,4 @@
-"""One writer per --save (megatron_lm/save_lock.py), with real jobs of two gloo ranks.
+"""One writer per --save (megatron_lm/safety/save_lock.py), with real jobs of two gloo ranks.
 
 - A second job started on the --save of a live job (resuming from it, as a requeue
   beside its own zombie does, so the guard against newer checkpoints passes) is refused before training, on
@@ -21,7 +21,7 @@ import time
 
 from test_long_runs import MEGATRON_LOOP
 
-from megatron_async.megatron_lm.save_lock import LOCK_NAME
+from megatron_async.megatron_lm.safety.save_lock import LOCK_NAME
 from tests.support.warm_launch import WarmJob
 
 

@@ -1,4 +1,4 @@
-"""The --save lock (megatron_lm/save_lock.py) on the file systems clusters use, emulated here:
+"""The --save lock (megatron_lm/safety/save_lock.py) on the file systems clusters use, emulated here:
 
 - a file system that refuses flock (Lustre `noflock` answers ENOSYS) is refused with our
   line naming the error and the way out (the negative control: a real flock takes it);
@@ -21,7 +21,7 @@ import sys
 import textwrap
 import time
 
-from megatron_async.megatron_lm import save_lock
+from megatron_async.megatron_lm.safety import save_lock
 from tests.support.multiprocess import run_distributed
 
 
@@ -41,7 +41,7 @@ def test_a_file_system_without_flock_is_refused_naming_it(tmp_path, monkeypatch)
 
 HOLDER = textwrap.dedent("""
     import fcntl, os, sys, time
-    from megatron_async.megatron_lm import save_lock
+    from megatron_async.megatron_lm.safety import save_lock
     save, how = sys.argv[1], sys.argv[2]
     if how == "take":
         assert save_lock.take(save) is None
@@ -60,7 +60,7 @@ HOLDER = textwrap.dedent("""
 
 TAKER = textwrap.dedent("""
     import sys
-    from megatron_async.megatron_lm import save_lock
+    from megatron_async.megatron_lm.safety import save_lock
     print(save_lock.take(sys.argv[1]) or "taken", flush=True)
 """)
 
@@ -119,7 +119,7 @@ def test_a_requeue_of_the_same_slurm_job_waits_for_its_earlier_runs_lock(tmp_pat
 
 
 def _agreement_entry(rank, world_size, save, other_on_rank1):
-    from megatron_async.megatron_lm import save_lock as lock
+    from megatron_async.megatron_lm.safety import save_lock as lock
 
     lock.take_on_every_rank(save)
     if other_on_rank1 and rank == 1:

@@ -1,4 +1,4 @@
-"""Room for a checkpoint in --save, checked before training (megatron_lm/save_space.py).
+"""Room for a checkpoint in --save, checked before training (megatron_lm/safety/save_space.py).
 
 - The size it expects is the size a save really writes: a 2bw PP=2 run's checkpoint
   on disk (torch and torch_dist formats) is within [0.8, 1.25] of the printed estimate.
@@ -70,7 +70,7 @@ def test_a_save_without_room_is_refused_before_training(tmp_path, tmpfs):
 
 
 def test_sizes_are_written_in_a_unit_that_shows_them():
-    from megatron_async.megatron_lm.save_space import size_text
+    from megatron_async.megatron_lm.safety.save_space import size_text
 
     assert [size_text(n) for n in (512, 3 * 2**10, int(3.4 * 2**20), int(12.5 * 2**30))] == [
         "512 B", "3.0 KiB", "3.4 MiB", "12.50 GiB"]

@@ -172,7 +172,7 @@ def _final_val_loss(records):
 
 
 def routing_windows(records, window: int) -> dict | None:
-    """An MoE run's routing records (megatron_lm/moe_routing) as means over consecutive
+    """An MoE run's routing records (megatron_lm/observability/moe_routing) as means over consecutive
     windows of `window` iterations: {iterations (each window's last), aux_loss,
     load_imbalance, load_imbalance_layers}; None for a dense run."""
     rows = [r for r in records if r.get("moe_load_imbalance") is not None]

@@ -230,14 +230,14 @@ class DelayCorrectedOptimizer:
             return self.wrapped.step()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        from megatron_async.stash.per_rank_state import add_state
+        from megatron_async.megatron_lm.checkpoint.optimizer_state import add_state
 
         state = self.wrapped.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         return add_state(state, STATE_KEY, self.delay_correction.state_dict, is_loading,
                          self.delay_correction.load_expected)
 
     def load_state_dict(self, state_dict) -> None:
-        from megatron_async.stash.per_rank_state import pop_state
+        from megatron_async.megatron_lm.checkpoint.optimizer_state import pop_state
 
         self.wrapped.load_state_dict(pop_state(state_dict, STATE_KEY, self.delay_correction.load_state_dict))
 

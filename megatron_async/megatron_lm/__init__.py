@@ -1,1 +1,20 @@
-"""The plugin's side of Megatron-LM: the hooks into its training loop, flags, checkpoints and logs."""
+"""The plugin's side of Megatron-LM, one folder per concern:
+
+- `adapter/`: what plugs 2bw into Megatron's training loop: every hooked name and
+  `install()` (hooks.py), our flags and their checks (flags.py, optimizer_probe.py),
+  the delayed run and its optimizer (runtime.py), the one object per training run
+  (plugin_run.py), the GPT entry point (gpt.py) and the layout-invariant weight
+  initialisation (layout_invariant_init.py).
+- `checkpoint/`: what a Megatron checkpoint holds of ours and how it gets there: the
+  optimizer's sharded state (optimizer_state.py), per-rank files for the torch format
+  (side_files.py), `megatron_async.json` (marker.py) and the saved RNG (saved_rng.py);
+  the stash's own torch_dist layout is stash/stash_checkpoint.py.
+- `safety/`: what keeps a run from losing work or hanging: one writer per --save
+  (save_lock.py), room for a checkpoint (save_space.py), no silent restart over
+  checkpoints (checkpoint_guard.py), one line and exit code per failure (failures.py),
+  no orphaned workers (launcher_watch.py), logs flushed before our own exits
+  (exit_flush.py).
+- `observability/`: what a run reports: --metrics-json lines (metrics.py, records.py),
+  each rank's pace and memory (rank_stats.py), the loss plot (loss_plot.py) and the
+  MoE routing record (moe_routing.py).
+"""

@@ -1,5 +1,5 @@
 """The delayed optimizer step, in one place for both callers: Megatron's optimizer wrap
-(megatron_lm/runtime.DelayedStepOptimizer, inside Megatron's train_step) and the 2bw
+(megatron_lm/adapter/runtime.DelayedStepOptimizer, inside Megatron's train_step) and the 2bw
 runner stepping its own optimizer (pipeline/two_bw.TwoBWRunner, the small trainer of the
 tests)."""
 

@@ -3,7 +3,7 @@
 Megatron keeps a tied model's two copies, the first stage's word embeddings E and
 the last stage's output weight O, equal by all-reducing their gradients over the
 two stages in finalize_model_grads: a blocking collective spanning stages every
-step, which 2bw's steady state must not have (hooks.py turns it off under 2bw).
+step, which 2bw's steady state must not have (megatron_lm/adapter/hooks.py turns it off under 2bw).
 Under 2bw every stage computes batch t's gradients at the same version W(t-1), so
 E's and O's gradients of batch t sum to the tied gradient of the one-step-delay
 twin. The first stage owns the weight:

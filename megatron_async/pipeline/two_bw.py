@@ -3,7 +3,7 @@
 Streams this stage's action list from the `2bw` generator one batch at a time
 (schedules/stream_2bw.py), and holds the weight stash (two versions), the
 point-to-point links and the executor; exposes `train_step(t)`, `evaluate(...)`,
-`finish()` to Megatron's loop (through megatron_lm/runtime.py) and to tests.
+`finish()` to Megatron's loop (through megatron_lm/adapter/runtime.py) and to tests.
 
 Resuming at batch t starts a fresh warm-up whose microbatches carry their absolute
 indices and versions (batch b uses version max(b-1, 0)): batch t runs at the

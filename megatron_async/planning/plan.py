@@ -36,7 +36,7 @@ tests/test_stash_save.py), `save_host` bytes of host memory a rank, and torch_di
 saves the stash's own views. `save_total` = total + save_gpu is the peak budget during
 a save. Prints a table and exits 1 if a stage's peak during a save does not fit in
 --gpu-gb. Also prints the size of one checkpoint, which the run checks --save has room
-for before training (megatron_lm/save_space.py).
+for before training (megatron_lm/safety/save_space.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import dataclasses
 import json
 import sys
 
-from megatron_async.megatron_lm.save_space import CORRECTION_COPIES  # fp32 copies of the sharded main weights
+from megatron_async.megatron_lm.safety.save_space import CORRECTION_COPIES  # fp32 copies of the sharded main weights
 from megatron_async.schedules.registry import delayed_runtime
 
 
@@ -295,9 +295,9 @@ def main(argv=None) -> int:
     _print_table(rows)
     found = balance(args, rows)
     _print_balance(found)
-    from megatron_async.megatron_lm.save_space import bytes_per_parameter
+    from megatron_async.megatron_lm.safety.save_space import bytes_per_parameter
 
-    checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (save_space.py)
+    checkpoint_gb = total * bytes_per_parameter(args) / 2**30  # what --save must have free (safety/save_space.py)
     print(f"one checkpoint: about {checkpoint_gb:.1f} GB ({bytes_per_parameter(args)} bytes a parameter)")
     fits = fits_on_gpu(rows, ns.gpu_gb)
     print(f"every stage fits in {ns.gpu_gb:g} GB, during a save too" if fits

@@ -26,7 +26,7 @@ TIMEOUT_S = 600
 @pytest.mark.gpus(4)
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
 def test_pp4_2bw_saves_evaluates_and_resumes(tmp_path, gpu_record):
-    from megatron_async.megatron_lm.checkpoint import MARKER
+    from megatron_async.megatron_lm.checkpoint.marker import MARKER
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     base = gpt_flags(iters=ITERS, lr=3e-3, micro_batch=2, global_batch=16) + two_bw(4) + [

@@ -16,7 +16,7 @@ MEGATRON_ASYNC_AUDIT_INJECT=1 adds one world all-reduce per iteration: the
 negative control that shows the audit catches a cross-stage collective.
 MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT=1 leaves Megatron's checkpoint_and_decide_exit
 unhooked, so its own per-iteration exit checks run (another negative control);
-MEGATRON_ASYNC_AUDIT_UNHOOK=NAME[,NAME] leaves those hooks of hooks.py unhooked
+MEGATRON_ASYNC_AUDIT_UNHOOK=NAME[,NAME] leaves those hooks of megatron_lm/adapter/hooks.py unhooked
 (e.g. _allreduce_word_embedding_grads: Megatron's tied-embedding all-reduce).
 """
 
@@ -134,7 +134,7 @@ def install(directory: str) -> None:
 
 def main() -> int:
     from megatron_async import launch
-    from megatron_async.megatron_lm.hooks import install as install_plugin
+    from megatron_async.megatron_lm.adapter.hooks import install as install_plugin
 
     unhooked = {name for name in os.environ.get("MEGATRON_ASYNC_AUDIT_UNHOOK", "").split(",") if name}
     if os.environ.get("MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT") == "1":  # Megatron's own exit checks, unhooked
@@ -142,7 +142,7 @@ def main() -> int:
     if unhooked:
         import dataclasses
 
-        from megatron_async.megatron_lm import hooks
+        from megatron_async.megatron_lm.adapter import hooks
 
         hooks.HOOKS = tuple(dataclasses.replace(h, wrap=lambda original: original)
                             if h.name in unhooked else h for h in hooks.HOOKS)

@@ -64,7 +64,7 @@ def _old_step_end() -> None:
 
 def _old_exit_paths() -> None:
     """finish only when train returned normally; nothing when it raised or exited."""
-    from megatron_async.megatron_lm.runtime import DelayedRun
+    from megatron_async.megatron_lm.adapter.runtime import DelayedRun
 
     finish = DelayedRun.finish
 
@@ -77,7 +77,7 @@ def _old_exit_paths() -> None:
 
 
 def _old_stash_start() -> None:
-    from megatron_async.megatron_lm.runtime import DelayedRun
+    from megatron_async.megatron_lm.adapter.runtime import DelayedRun
 
     start = DelayedRun.start_from_checkpoint
 
@@ -92,7 +92,7 @@ def _old_load_exit() -> None:
     import dataclasses
     import functools
 
-    from megatron_async.megatron_lm import hooks
+    from megatron_async.megatron_lm.adapter import hooks
 
     def passing_exits_through(original):
         wrapped = hooks._load_checkpoint(original)
@@ -207,7 +207,7 @@ if __name__ == "__main__":
     if os.environ.get("MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0") == "1":
         _empty_cache_on_stage0()
     if os.environ.get("MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME") == "1":
-        from megatron_async.megatron_lm import flags
+        from megatron_async.megatron_lm.adapter import flags
 
         flags._check_marker_present = lambda args, held: None
     if os.environ.get("MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE"):

@@ -20,7 +20,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_async.megatron_lm import layout_invariant_init
+from megatron_async.megatron_lm.adapter import layout_invariant_init
 from megatron_async.planning.parallel import init_model_parallel
 from megatron_async.schedules.registry import delayed_runtime, get_forward_backward_func
 from megatron_async.stash.delay_reference import version_for_step

@@ -123,7 +123,7 @@ def run_module(module: str, args: Sequence[str], timeout_s: float,
 
 def read_metrics(path) -> list[dict]:
     """The records of a `--metrics-json` file (one JSON object a line)."""
-    from megatron_async.megatron_lm.records import read_records
+    from megatron_async.megatron_lm.observability.records import read_records
 
     return read_records(str(path))
 

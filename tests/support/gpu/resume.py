@@ -28,7 +28,7 @@ def resume_against_uninterrupted(tmp_path, base: list, nproc: int, iters: int, s
                                  timeout_s: float) -> dict:
     """{full, resumed, without_marker}: each run's `iters` finite losses (the resumed ones
     after the first part's), and the largest relative differences from `full`."""
-    from megatron_async.megatron_lm.checkpoint import MARKER
+    from megatron_async.megatron_lm.checkpoint.marker import MARKER
 
     run = lambda name, extra, **kw: _losses(tmp_path, base, nproc, timeout_s, name, extra, **kw)  # noqa: E731
     full = finite_losses(run("full", []), iters)

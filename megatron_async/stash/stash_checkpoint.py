@@ -6,6 +6,8 @@ way Megatron builds its optimizer's state (`make_sharded_optimizer_tensor`). So
 torch_dist reshards the stash exactly as it reshards the model: a checkpoint saved
 at one PP / TP / DP / EP layout resumes at another with the older weight version
 intact. The version numbers are the same on every rank and ride as plain values.
+The delayed optimizer puts it into its sharded state dict
+(megatron_async/megatron_lm/checkpoint/optimizer_state.py).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 def our_line(err: BaseException) -> Optional[tuple[str, int]]:
     """(our one line, the exit code) for a refusal or stop of ours, else None."""
-    from megatron_async.megatron_lm.flags import FlagError
-    from megatron_async.megatron_lm.side_state import CheckpointStateError
+    from megatron_async.megatron_lm.adapter.flags import FlagError
+    from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
     from megatron_async.pipeline.non_finite import NonFiniteError
 
     rank = os.environ.get("RANK", "0")
@@ -110,7 +110,7 @@ def install_excepthook() -> None:
             previous(kind, err, tb)
             return
         report(ours[0])
-        from megatron_async.megatron_lm import exit_flush
+        from megatron_async.megatron_lm.safety import exit_flush
 
         exit_flush.before_exit(ours[1])
         sys.stdout.flush()

@@ -1,59 +1,25 @@
-"""The weight stash, EF state and RNG of a 2bw run in Megatron's own checkpoints.
+"""`megatron_async.json`: what a checkpoint holds of ours, written next to it and read on resume.
 
-- The stash and the EF state travel inside the optimizer's sharded state dict as
-  per-rank objects (DelayedStepOptimizer / ErrorFeedbackOptimizer), so Megatron's
-  save and load carry them in its own format, with the rest of the optimizer.
-- After Megatron saves, rank 0 writes `megatron_async.json` into the checkpoint
-  directory naming what it holds. On load a state the checkpoint lacks (a 1F1B
-  checkpoint has no stash) is not asked for: the older weight version then starts
-  equal to the newest, and EF starts without a previous update.
-- When Megatron saves after step t, this stage may already have run warm-up
-  forwards of batch t+1, drawing dropout masks. The saved RNG state is the one
-  from before that batch's first forward, so a resumed run, which repeats those
-  forwards, draws the same masks as the uninterrupted one.
+After Megatron saves, rank 0 writes the marker into the checkpoint directory naming
+what it holds (`contents_to_save`): the weight stash, the delay-correction state, the
+stale global norm, where the per-rank state lives (the optimizer's sharded state dict
+under torch_dist, per-rank files otherwise) and the layout it was saved at. On load a
+state the checkpoint lacks (a 1F1B checkpoint has no stash) is not asked for: the
+older weight version then starts equal to the newest, and EF starts without a
+previous update. Also here: the checkpoint `--load` resumes, and what Megatron saved
+with it (its arguments, whether it holds a stash), read from its files alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 
-import numpy as np
 import torch
 
+from megatron_async.megatron_lm.checkpoint.optimizer_state import STALE_NORM_KEY, STASH_KEY
+
 MARKER = "megatron_async.json"
-_RNG_SNAPSHOTS: dict[int, tuple] = {}
-
-
-def capture_rng() -> tuple:
-    from megatron.core import tensor_parallel
-
-    return (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.cuda.get_rng_state(),
-            tensor_parallel.get_cuda_rng_tracker().get_states())
-
-
-def restore_rng(state: tuple) -> None:
-    from megatron.core import tensor_parallel
-
-    python, numpy_state, cpu, cuda, tracker = state
-    random.setstate(python)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(cpu)
-    torch.cuda.set_rng_state(cuda)
-    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
-
-
-def snapshot_rng(batch: int) -> None:
-    """Before batch `batch`'s first forward on this stage (kept for the last two batches)."""
-    _RNG_SNAPSHOTS[batch] = capture_rng()
-    for old in [b for b in _RNG_SNAPSHOTS if b < batch - 1]:
-        del _RNG_SNAPSHOTS[old]
-
-
-def rng_for_save(next_batch: int):
-    """The RNG state a checkpoint taken before `next_batch` must hold (None: the current one)."""
-    return _RNG_SNAPSHOTS.get(next_batch)
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -73,6 +39,36 @@ def write_marker(root: str, iteration: int, contents: dict, create: bool = False
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(contents, f)
         os.replace(path + ".tmp", path)
+
+
+def contents_to_save(run) -> dict:
+    """What a checkpoint of this delayed run (adapter/runtime.DelayedRun) holds of ours:
+    nothing without a stash or with --no-save-optim; otherwise where the per-rank state
+    lives (inside the optimizer's sharded state dict for torch_dist, in per-rank files
+    otherwise) and the layout it was saved at."""
+    from megatron.training import get_args
+
+    from megatron_async.corrections.delay_correction import RULES
+    from megatron_async.megatron_lm.checkpoint.side_files import layout
+    from megatron_async.schedules.registry import delayed_runtime
+
+    args = get_args()
+    if run.stash is None or args.no_save_optim:
+        return {}
+    return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
+            "delay_correction_rule": args.delay_correction,
+            STALE_NORM_KEY: run.stale_norm is not None,
+            "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
+            "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
+            # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
+            "embedding_copy_linked": delayed_runtime(args.pipeline_schedule) and (
+                not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)),
+            "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
+
+
+def per_rank_state_home(ckpt_format: str) -> str:
+    """Where a checkpoint of this format keeps our per-rank state."""
+    return "optimizer" if ckpt_format == "torch_dist" else "files"
 
 
 def resume_directory(args) -> str | None:
@@ -124,9 +120,9 @@ def saved_megatron_args(directory: str):
 def holds_a_stash(directory: str) -> bool:
     """Whether a checkpoint directory holds a 2bw weight stash, read from its files alone:
     torch_dist lists it in `.metadata`, the torch format keeps per-rank files beside."""
-    from megatron_async.megatron_lm import side_state
+    from megatron_async.megatron_lm.checkpoint import side_files
 
-    if os.path.isdir(os.path.join(directory, side_state.SUBDIR)):
+    if os.path.isdir(os.path.join(directory, side_files.SUBDIR)):
         return True
     try:
         from torch.distributed.checkpoint import FileSystemReader
@@ -134,7 +130,7 @@ def holds_a_stash(directory: str) -> bool:
         keys = FileSystemReader(directory).read_metadata().state_dict_metadata
     except Exception:  # noqa: BLE001 - no torch_dist metadata: nothing of ours in it
         return False
-    return any(key.startswith("weight_stash") for key in keys)  # runtime.STASH_KEY, the optimizer's entry
+    return any(key.startswith(STASH_KEY) for key in keys)  # the optimizer's entry
 
 
 def saved_contents(args) -> dict:

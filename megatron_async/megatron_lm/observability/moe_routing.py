@@ -22,7 +22,7 @@ import torch
 
 class RoutingCounts:
     """One run's routed-token counts and Megatron's aux losses, between two records
-    (megatron_lm/plugin_run.PluginRun holds it)."""
+    (megatron_lm/adapter/plugin_run.PluginRun holds it)."""
 
     def __init__(self):
         self.counts: dict = {}  # layer number -> tokens per expert

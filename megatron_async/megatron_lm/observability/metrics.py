@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import time
 
-from megatron_async.megatron_lm.records import json_line, open_for_run, read_records
+from megatron_async.megatron_lm.observability.records import json_line, open_for_run, read_records
 
 def _float(value):
     if value is None:
@@ -30,7 +30,7 @@ def _gpu_memory() -> dict:
 
 
 class MetricsRecorder:
-    """One run's metrics file and clocks (megatron_lm/plugin_run.PluginRun holds it)."""
+    """One run's metrics file and clocks (megatron_lm/adapter/plugin_run.PluginRun holds it)."""
 
     def __init__(self):
         self.file = None
@@ -61,7 +61,7 @@ class MetricsRecorder:
         if self.rank_stats is None:
             import torch
 
-            from megatron_async.megatron_lm.rank_stats import RankStats
+            from megatron_async.megatron_lm.observability.rank_stats import RankStats
 
             self.rank_stats = RankStats(args.rank_stats_dir, torch.distributed.get_rank(), resumed_from=args.iteration)
         if seconds is not None:
@@ -133,7 +133,7 @@ class MetricsRecorder:
         if plot_path:
             from megatron.training import get_args
 
-            from megatron_async.megatron_lm.loss_plot import plot_losses
+            from megatron_async.megatron_lm.observability.loss_plot import plot_losses
 
             args = get_args()
             records = read_records(args.metrics_json)

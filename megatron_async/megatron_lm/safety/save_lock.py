@@ -35,7 +35,7 @@ import socket
 import time
 from typing import Optional
 
-from megatron_async.megatron_lm.side_state import CheckpointStateError
+from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
 
 LOCK_NAME = ".megatron_async_writer"
 WAIT_ENV = "MEGATRON_ASYNC_SAVE_LOCK_WAIT_S"

@@ -6,8 +6,8 @@ lives exactly as long as the run. It owns the delayed run's state (runtime.Delay
 under 2bw or --simulated-delay), the --metrics-json recorder and the MoE routing
 counts. Two runs in one process share nothing of it. What belongs to the process, not a
 run, stays with the process: the hooks installed into Megatron's modules (hooks.py), the
-launcher watch (launcher_watch.py) and the --save locks' file descriptors, which a fork
-handler must find (save_lock.py). Megatron pickles `args` into every checkpoint: a
+launcher watch (safety/launcher_watch.py) and the --save locks' file descriptors, which a fork
+handler must find (safety/save_lock.py). Megatron pickles `args` into every checkpoint: a
 PluginRun pickles as an empty set, so nothing of it is saved there and `current()` of a
 loaded args object is None.
 """
@@ -21,9 +21,9 @@ RUN_ATTR = "megatron_async_run"
 
 class PluginRun:
     def __init__(self, delayed: bool):
-        from megatron_async.megatron_lm.metrics import MetricsRecorder
-        from megatron_async.megatron_lm.moe_routing import RoutingCounts
-        from megatron_async.megatron_lm.runtime import DelayedRun
+        from megatron_async.megatron_lm.observability.metrics import MetricsRecorder
+        from megatron_async.megatron_lm.observability.moe_routing import RoutingCounts
+        from megatron_async.megatron_lm.adapter.runtime import DelayedRun
 
         self.delayed = DelayedRun() if delayed else None
         self.metrics = MetricsRecorder()
@@ -40,7 +40,7 @@ class PluginRun:
 
 def start(args) -> PluginRun:
     """This run's object, made once (a second call returns the first)."""
-    from megatron_async.megatron_lm.runtime import is_delayed
+    from megatron_async.megatron_lm.adapter.runtime import is_delayed
 
     run = current(args)
     if run is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatron_async.megatron_lm.records import json_line
+from megatron_async.megatron_lm.observability.records import json_line
 
 
 def rss_mb() -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from megatron_async.megatron_lm.side_state import CheckpointStateError
+from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
 
 CORRECTION_COPIES = {"ef": 1, "dc-asgd": 2, "nesterov": 1}  # fp32 copies of the main weights a correction saves
 

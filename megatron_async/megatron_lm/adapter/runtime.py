@@ -21,12 +21,12 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_async.corrections.delay_correction import RULES
-from megatron_async.megatron_lm.checkpoint import snapshot_rng
+from megatron_async.megatron_lm.checkpoint import optimizer_state
+from megatron_async.megatron_lm.checkpoint.optimizer_state import STALE_NORM_KEY, STASH_KEY
+from megatron_async.megatron_lm.checkpoint.saved_rng import snapshot_rng
 from megatron_async.pipeline.delayed_step import delayed_optimizer_step
 from megatron_async.schedules.registry import delayed_runtime
 
-STASH_KEY = "weight_stash"
-STALE_NORM_KEY = "stale_global_norm"
 ABANDON_WAIT_S = 30.0
 
 
@@ -34,7 +34,9 @@ class DelayedStepOptimizer:
     """A Megatron optimizer whose step keeps the weight stash in order: the live
     weights are saved before the step, which then updates them in place.
 
-    Everything else is the wrapped optimizer's (state dicts, loss scale, groups).
+    Its sharded state dict adds the stash and the stale global norm to the wrapped
+    optimizer's, and its load takes them out again (megatron_lm/checkpoint/optimizer_state.py).
+    Everything else is the wrapped optimizer's (loss scale, groups).
     """
 
     def __init__(self, optimizer, run: "DelayedRun", load_stash: bool = True, load_stale_norm: bool = False):
@@ -48,39 +50,12 @@ class DelayedStepOptimizer:
         return getattr(self.optimizer, name)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        from megatron_async.stash.per_rank_state import add_state
-
-        state = self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        if self.run.stale_norm is not None:
-            add_state(state, STALE_NORM_KEY, self.run.stale_norm.state_dict, is_loading, self.load_stale_norm)
-        if not is_loading or (self.load_stash and self.run.resumed.get("stash_layout") == "sharded"):
-            from megatron_async.stash import checkpoint as stash_checkpoint
-
-            # laid out like the model's weights, so torch_dist reshards it with them
-            state[STASH_KEY] = stash_checkpoint.sharded_state_dict(self.stash, model_sharded_state_dict)
-            return state
-        return add_state(state, STASH_KEY, self.stash.state_dict, is_loading, self.load_stash)  # older checkpoints
+        """The wrapped optimizer's, with the stash and the stale global norm
+        (megatron_lm/checkpoint/optimizer_state.py)."""
+        return optimizer_state.sharded_state_dict(self, model_sharded_state_dict, is_loading, **kwargs)
 
     def load_state_dict(self, state_dict) -> None:
-        from megatron_async.stash.per_rank_state import pop_state
-
-        if self.run.stale_norm is not None:
-            state_dict = pop_state(state_dict, STALE_NORM_KEY, self.run.stale_norm.load_state_dict)
-        self.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, self._load_stash))
-        if self.run.resumed.get(STASH_KEY) and self.run.resumed.get("per_rank_state") == "files":
-            from megatron_async.megatron_lm import side_state
-
-            self.run.load_per_rank_state(side_state.load(self.run.resumed["loaded_from"]))
-
-    def _load_stash(self, state: dict) -> None:
-        if not self.load_stash:  # not asked for: torch_dist still returns its plain values (common state)
-            return
-        if "sharded_slots" in state:
-            from megatron_async.stash import checkpoint as stash_checkpoint
-
-            stash_checkpoint.load(self.stash, state)
-        else:  # a per-rank object, as checkpoints before the sharded layout hold it
-            self.stash.load_state_dict(state)
+        optimizer_state.load_state_dict(self, state_dict)
 
     def step(self):
         from megatron.training import get_args
@@ -93,7 +68,7 @@ class DelayedRun:
     """One delayed-weight run (2bw, or --simulated-delay) in Megatron's loop: its weight
     stash, the 2bw runner, the step it is at, the stale global norm, the stop agreement and
     what the checkpoint it resumed from holds. Made in the optimizer hook
-    (megatron_lm/plugin_run.py), reached by the hooks through `plugin_run.current()`;
+    (megatron_lm/adapter/plugin_run.py), reached by the hooks through `plugin_run.current()`;
     nothing of it lives in a module."""
 
     def __init__(self):
@@ -115,7 +90,7 @@ class DelayedRun:
         Returns the optimizer Megatron's loop is to use."""
         from megatron.training import get_args
 
-        from megatron_async.megatron_lm.checkpoint import saved_contents
+        from megatron_async.megatron_lm.checkpoint.marker import saved_contents
         from megatron_async.pipeline.grad_stats import make_stage_local
         from megatron_async.stash.weight_stash import WeightStashManager
 
@@ -127,7 +102,7 @@ class DelayedRun:
         in_optimizer = resumed.get("per_rank_state", "optimizer") == "optimizer"  # else in per-rank files
         if args.delay_correction in RULES:
             from megatron_async.corrections.delay_correction import DelayCorrectedOptimizer
-            from megatron_async.megatron_lm.flags import nesterov_beta
+            from megatron_async.megatron_lm.adapter.flags import nesterov_beta
 
             optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
                                                 dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args))
@@ -177,7 +152,7 @@ class DelayedRun:
         if stash.restored and stash.newest == args.iteration:
             return
         if self.resumed.get(STASH_KEY) and not (args.no_load_optim or args.finetune):
-            from megatron_async.megatron_lm.side_state import CheckpointStateError
+            from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
 
             raise CheckpointStateError(
                 f"megatron-async: the checkpoint in {self.resumed.get('loaded_from')} says it holds the 2bw weight "
@@ -195,46 +170,6 @@ class DelayedRun:
                 why = "the checkpoint holds no weight stash"
             print(f"megatron-async: {why}; both weight versions start equal, at the loaded weights "
                   f"(iteration {args.iteration})", flush=True)
-
-    def saved_contents_marker(self) -> dict:
-        """What a checkpoint of this run holds of ours (megatron_async.json, written next to it):
-        nothing without a stash or with --no-save-optim; otherwise where the per-rank state
-        lives (inside the optimizer's sharded state dict for torch_dist, in per-rank files
-        otherwise) and the layout it was saved at."""
-        from megatron.training import get_args
-
-        from megatron_async.megatron_lm.side_state import layout
-
-        args = get_args()
-        if self.stash is None or args.no_save_optim:
-            return {}
-        return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
-                "delay_correction_rule": args.delay_correction,
-                STALE_NORM_KEY: self.stale_norm is not None,
-                "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
-                "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
-                # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
-                "embedding_copy_linked": delayed_runtime(args.pipeline_schedule) and (
-                    not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)),
-                "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
-
-    def per_rank_state(self) -> dict:
-        """This rank's 2bw state for a per-rank file: stash, delay correction, stale global norm."""
-        state = {STASH_KEY: self.stash.state_dict()}
-        correction = getattr(self.optimizer, "delay_correction", None)
-        if correction is not None:
-            state["delay_correction"] = correction.state_dict()
-        if self.stale_norm is not None:
-            state[STALE_NORM_KEY] = self.stale_norm.state_dict()
-        return state
-
-    def load_per_rank_state(self, state: dict) -> None:
-        self.stash.load_state_dict(state[STASH_KEY])
-        correction = getattr(self.optimizer, "delay_correction", None)
-        if correction is not None and "delay_correction" in state:
-            correction.load_state_dict(state["delay_correction"])
-        if self.stale_norm is not None and STALE_NORM_KEY in state:
-            self.stale_norm.load_state_dict(state[STALE_NORM_KEY])
 
     def _runner(self, model_chunk, forward_step_func):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -354,11 +289,6 @@ def local_stop_code(args) -> int:
     if args.exit_duration_in_mins and (time.time() - training._TRAIN_START_TIME) / 60.0 > args.exit_duration_in_mins:
         return DURATION
     return GO_ON
-
-
-def per_rank_state_home(ckpt_format: str) -> str:
-    """Where a checkpoint of this format keeps our per-rank state."""
-    return "optimizer" if ckpt_format == "torch_dist" else "files"
 
 
 def _activation_shape(args, config) -> tuple:

@@ -323,7 +323,7 @@ def _check_optimizer(args: argparse.Namespace) -> None:
     """What Megatron would only find when it builds the optimizer, after the process groups."""
     _require(args.lr is not None or args.skip_train, "--lr is required (Megatron has no default learning rate)")
     _require(args.ef_lambda >= 0.0, f"--ef-lambda must be >= 0 (got {args.ef_lambda})")
-    from megatron_async.megatron_lm.optimizer_probe import failure
+    from megatron_async.megatron_lm.adapter.optimizer_probe import failure
 
     broken = failure(args.optimizer)
     _require(broken is None, f"--optimizer {args.optimizer!r} fails its first step with the installed "
@@ -399,7 +399,7 @@ def _layout_text(sizes: dict) -> str:
 def _check_checkpoints(args: argparse.Namespace) -> None:
     """No silent fresh start over checkpoints, a writable --save, and: what a run with a
     weight stash saves must carry it; what it loads must give it back."""
-    from megatron_async.megatron_lm.checkpoint_guard import resume_problem, unwritable_save
+    from megatron_async.megatron_lm.safety.checkpoint_guard import resume_problem, unwritable_save
 
     for problem in (unwritable_save(args.save), resume_problem(args.load, args.save, getattr(args, "ckpt_step", None))):
         _require(problem is None, problem)
@@ -422,7 +422,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
                  "stash; use global")
     if not args.load:
         return
-    from megatron_async.megatron_lm.checkpoint import saved_contents
+    from megatron_async.megatron_lm.checkpoint.marker import saved_contents
 
     _check_tied_embeddings_match(args)
     _say_when_nothing_will_train(args)
@@ -474,7 +474,7 @@ def _tying(untied: bool) -> str:
 def _say_when_nothing_will_train(args: argparse.Namespace) -> None:
     """--train-iters at or below the iteration the run resumes from: Megatron loads, evaluates
     and exits 0 having trained nothing, without a word; say it (rank 0), once, up front."""
-    from megatron_async.megatron_lm.checkpoint import resume_directory
+    from megatron_async.megatron_lm.checkpoint.marker import resume_directory
 
     directory = resume_directory(args)
     match = re.search(r"iter_(\d{7})$", os.path.normpath(directory)) if directory else None
@@ -490,8 +490,8 @@ def _check_marker_present(args: argparse.Namespace, held: dict) -> None:
     """A checkpoint whose files hold a 2bw weight stash but whose megatron_async.json (what
     says how to read it) is gone would resume with both weight versions equal, silently
     another trajectory: refused, naming the file and the previous complete checkpoint."""
-    from megatron_async.megatron_lm.checkpoint import MARKER, holds_a_stash, resume_directory
-    from megatron_async.megatron_lm.checkpoint_guard import complete_iterations
+    from megatron_async.megatron_lm.checkpoint.marker import MARKER, holds_a_stash, resume_directory
+    from megatron_async.megatron_lm.safety.checkpoint_guard import complete_iterations
 
     directory = resume_directory(args)
     if held or directory is None or args.finetune or args.no_load_optim or not holds_a_stash(directory):
@@ -508,7 +508,7 @@ def _check_marker_present(args: argparse.Namespace, held: dict) -> None:
 def _check_tied_embeddings_match(args: argparse.Namespace) -> None:
     """Tied to untied or back at a resume: Megatron loads either without a word, dropping
     the trained output layer or starting it from the embeddings. Refused, naming both."""
-    from megatron_async.megatron_lm.checkpoint import resume_directory, saved_megatron_args
+    from megatron_async.megatron_lm.checkpoint.marker import resume_directory, saved_megatron_args
 
     directory = resume_directory(args)
     saved = saved_megatron_args(directory) if directory else None

@@ -6,7 +6,7 @@ how it is wrapped. `install()` checks that every name exists before changing
 anything, and fails naming the missing one on another Megatron version.
 Nothing else in the project patches Megatron's training package. Besides these,
 `_train` registers forward hooks on an MoE model's TopKRouter modules
-(moe_routing: tokens per expert, for --metrics-json).
+(observability/moe_routing.py: tokens per expert, for --metrics-json).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from megatron_async.megatron_lm import flags, plugin_run, runtime
+from megatron_async.megatron_lm.adapter import flags, plugin_run, runtime
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
 from megatron_async.schedules.registry import delayed_runtime
 
@@ -81,17 +81,17 @@ def _get_megatron_optimizer(original):
         margs = get_args()
         run = plugin_run.start(margs)
         if margs.layout_invariant_init:
-            from megatron_async.megatron_lm.layout_invariant_init import init_by_global_name, megatron_like
+            from megatron_async.megatron_lm.adapter.layout_invariant_init import init_by_global_name, megatron_like
 
             init_by_global_name(model_chunks, margs.seed, megatron_like(margs.init_method_std, margs.num_layers))
         if margs.simulated_delay and margs.simulated_pipeline_stages > 1:
             from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
 
             clip_like_pipeline_stages(model_chunks, margs.num_layers, margs.simulated_pipeline_stages)
-        if margs.save:  # before any checkpoint is loaded or saved (megatron_lm/save_lock.py)
-            from megatron_async.megatron_lm.save_lock import take_on_every_rank
+        if margs.save:  # before any checkpoint is loaded or saved (megatron_lm/safety/save_lock.py)
+            from megatron_async.megatron_lm.safety.save_lock import take_on_every_rank
 
-            from megatron_async.megatron_lm.save_space import check_room
+            from megatron_async.megatron_lm.safety.save_space import check_room
 
             take_on_every_rank(margs.save)
             check_room(margs.save, model_chunks, margs)
@@ -212,20 +212,21 @@ def _save_checkpoint(original):
     def hooked(iteration, *args, **kwargs):
         from megatron.training import get_args
 
-        from megatron_async.megatron_lm import side_state
-        from megatron_async.megatron_lm.checkpoint import checkpoint_dir, write_marker
+        from megatron_async.megatron_lm.checkpoint import side_files
+        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir, contents_to_save, write_marker
+        from megatron_async.megatron_lm.checkpoint.optimizer_state import per_rank_state
 
         root = get_args().save
-        from megatron_async.megatron_lm.save_lock import check_before_save
+        from megatron_async.megatron_lm.safety.save_lock import check_before_save
 
         check_before_save(root, iteration)  # one writer per --save
         delayed = plugin_run.delayed()
         if delayed is None:
             return original(iteration, *args, **kwargs)
         delayed.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
-        contents = delayed.saved_contents_marker()
+        contents = contents_to_save(delayed)
         if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
-            side_state.save(checkpoint_dir(root, iteration), delayed.per_rank_state())
+            side_files.save(checkpoint_dir(root, iteration), per_rank_state(delayed))
             write_marker(root, iteration, contents, create=True)
         if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into:
             delayed.marker_due = (root, iteration, contents)  # written when Megatron names its tracker
@@ -252,7 +253,7 @@ def _checkpoint_tracker_filename(original):
         delayed = plugin_run.delayed()
         due = delayed.marker_due if delayed is not None else None
         if due is not None and os.path.realpath(due[0]) == os.path.realpath(checkpoints_path):
-            from megatron_async.megatron_lm.checkpoint import write_marker
+            from megatron_async.megatron_lm.checkpoint.marker import write_marker
 
             delayed.marker_due = None
             write_marker(*due)
@@ -277,8 +278,8 @@ def _load_checkpoint(original):
                 raise
             from megatron.training import get_args
 
-            from megatron_async.megatron_lm.checkpoint_guard import load_failure, tracked_iteration
-            from megatron_async.megatron_lm.side_state import CheckpointStateError
+            from megatron_async.megatron_lm.safety.checkpoint_guard import load_failure, tracked_iteration
+            from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
 
             margs = get_args()
             if isinstance(err, SystemExit) and err.code not in (None, 0):
@@ -356,7 +357,7 @@ def _check_scheduler_value(original):
         except AssertionError:
             from megatron.training import get_args
 
-            from megatron_async.megatron_lm.side_state import CheckpointStateError
+            from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
 
             this, saved = cls_value, sd_value
             margs = get_args()
@@ -377,18 +378,18 @@ def _check_scheduler_value(original):
 def _get_rng_state(original):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
-        from megatron_async.megatron_lm import checkpoint
+        from megatron_async.megatron_lm.checkpoint import saved_rng
 
         delayed = plugin_run.delayed()
-        snapshot = checkpoint.rng_for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
+        snapshot = saved_rng.rng_for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
         if snapshot is None:
             return original(*args, **kwargs)
-        current = checkpoint.capture_rng()
-        checkpoint.restore_rng(snapshot)
+        current = saved_rng.capture_rng()
+        saved_rng.restore_rng(snapshot)
         try:
             return original(*args, **kwargs)
         finally:
-            checkpoint.restore_rng(current)
+            saved_rng.restore_rng(current)
 
     return hooked
 
@@ -559,8 +560,8 @@ def install() -> None:
         original = getattr(module, hook.name)
         _INSTALLED[(hook.module, hook.name)] = original
         setattr(module, hook.name, hook.wrap(original))
-    from megatron_async.megatron_lm.launcher_watch import exit_with_launcher
-    from megatron_async.megatron_lm.failures import install_excepthook
+    from megatron_async.megatron_lm.safety.launcher_watch import exit_with_launcher
+    from megatron_async.megatron_lm.safety.failures import install_excepthook
 
     exit_with_launcher()  # every entry installs the hooks: launch, the console scripts, a patched script
     install_excepthook()  # our one line for a refusal where no launcher of ours catches it

@@ -1,0 +1,2 @@
+"""What a run reports: the --metrics-json records, per-rank stats, the loss plot and the MoE
+routing record."""
