@@ -187,3 +187,26 @@ def test_the_split_does_not_depend_on_the_cost_unit(unit):
                   for c in _compositions(layers, 4)
                   if abs(max(stage_costs(c, [1.0] * layers, last_extra=head)) - fastest) < 1e-9)[1]
     assert split.layers == evenest, (unit, split.layers)
+
+
+def test_the_memory_plan_counts_the_stash_of_every_delayed_run(tmp_path):
+    """The plan's stash term follows what the run holds (safety/save_space.stash_copies, as
+    the save-space check counts it): one copy of the weights under 2bw, K under
+    --simulated-delay K, none for a synchronous run (the control)."""
+    import json
+    import subprocess
+    import sys
+
+    base = [a for a in BASE if a not in ("--pipeline-schedule", "2bw")] + [
+        "--num-layers", "2", "--global-batch-size", "4", "--transformer-impl", "local", "--use-cpu-initialization"]
+
+    def stage0(name, flags):
+        out = tmp_path / f"{name}.json"
+        proc = subprocess.run([sys.executable, "-m", "megatron_async.planning.plan", "--world-size", "1", "--json",
+                               str(out), "--", *base, *flags], capture_output=True, text=True, timeout=300)
+        assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads(out.read_text())["stages"][0]["memory_gb"]
+
+    for flags, copies in (([], 0), (["--simulated-delay", "1"], 1), (["--simulated-delay", "2"], 2)):
+        memory = stage0(f"delay{copies}", flags)
+        assert memory["stash"] == pytest.approx(copies * memory["weights"]), (flags, memory)

@@ -9,7 +9,8 @@ stage and the output layer on the last. Parameters split over tensor-parallel ra
 (and experts over expert-parallel ranks) are divided accordingly, which gives the
 parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
 
-- weights (2 bytes a parameter) and the 2BW stash, one more copy of them;
+- weights (2 bytes a parameter) and the stash: one more copy under 2bw, K under
+  --simulated-delay K, two with weight prediction (safety/save_space.stash_copies);
 - gradients (Megatron's grad buffer: 4 bytes with --accumulate-allreduce-grads-in-fp32, else 2);
 - optimizer state, sharded over the data-parallel ranks with --use-distributed-optimizer
   (experts over the expert-data-parallel ranks): fp32 main weights (4) and Adam's two
@@ -47,7 +48,7 @@ import dataclasses
 import json
 import sys
 
-from megatron_async.megatron_lm.safety.save_space import CORRECTION_COPIES  # fp32 copies of the sharded main weights
+from megatron_async.megatron_lm.safety.save_space import CORRECTION_COPIES, stash_copies  # fp32 copies of the sharded main weights
 from megatron_async.schedules.registry import delayed_runtime
 
 
@@ -190,7 +191,7 @@ def plan(args) -> list[dict]:
         sharded = gpu_dense / dp + gpu_expert / expert_dp if args.use_distributed_optimizer else gpu
         memory = {
             "weights": 2 * gpu,
-            "stash": 2 * gpu if two_bw else 0,
+            "stash": 2 * gpu * stash_copies(args),
             "gradients": grad_bytes * gpu,
             "optimizer": (4 + moments) * sharded,
             "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),

@@ -32,12 +32,17 @@ def bytes_per_parameter(args) -> int:
     weight = torch.tensor([], dtype=args.params_dtype).element_size()
     main = 4 if weight != 4 else 0
     moments = 8 if args.optimizer == "adam" else 4
-    stash = 0
+    return weight + main + moments + weight * stash_copies(args) + 4 * CORRECTION_COPIES.get(args.delay_correction, 0)
+
+
+def stash_copies(args) -> int:
+    """Copies of the weights the stash holds beside the live ones: one under 2bw, K under
+    --simulated-delay K, two with weight prediction; none for a synchronous run."""
     from megatron_async.schedules.registry import delayed_runtime
 
-    if delayed_runtime(args.pipeline_schedule) or args.simulated_delay > 0:
-        stash = weight * (2 if args.delay_correction == "predict" else max(args.simulated_delay, 1))
-    return weight + main + moments + stash + 4 * CORRECTION_COPIES.get(args.delay_correction, 0)
+    if not (delayed_runtime(args.pipeline_schedule) or args.simulated_delay > 0):
+        return 0
+    return 2 if args.delay_correction == "predict" else max(args.simulated_delay, 1)
 
 
 def replica_parameters(model_chunks) -> int:
