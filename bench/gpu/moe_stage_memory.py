@@ -50,11 +50,9 @@ Megatron's mock data), changed only where one GPU must differ:
 
 What is compared. The plan is run for the very same flags at `--world-size 1` (PP=1,
 EP=1, DP=1), and its total against torch's max_memory_allocated from the run's
-`--metrics-json`. Two corrections are shown beside it, not folded in silently:
+`--metrics-json` (the plan's stash term counts `--simulated-delay 1`'s copy, as
+safety/save_space.stash_copies says). One correction is shown beside it, not folded in:
 
-- stash: plan.py counts the weight stash only for `--pipeline-schedule 2bw`, not for
-  `--simulated-delay` (save_space.py counts both), so its row says 0 here; the compared
-  total adds the plan's own 2bw stash term, 2 bytes a parameter of this GPU.
 - attention: the plan's activation term assumes flash attention (no s x s tensor kept:
   Korthikanti et al.'s 34h bytes a token a layer, whose MLP part plan.py replaces for MoE
   by top-k x (2h + 6f)). Megatron's local DotProductAttention materialises the
@@ -335,12 +333,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
 
 
-def compare(plan_row: dict, stash_added_mib: float, records: list[dict], steps: list[dict], attention: dict) -> dict:
+def compare(plan_row: dict, records: list[dict], steps: list[dict], attention: dict) -> dict:
     """The plan's terms (MiB) and the run's readings side by side; measured values None on the CPU."""
     plan = {k: v * 1024 for k, v in plan_row["memory_gb"].items()}
-    plan_total = plan_row["total_gb"] * 1024 + stash_added_mib
-    plan_persistent = sum(plan[k] for k in PERSISTENT if k in plan) + stash_added_mib
-    out = {"plan_mib": plan, "plan_stash_added_mib": stash_added_mib, "plan_total_mib": plan_total,
+    plan_total = plan_row["total_gb"] * 1024
+    plan_persistent = sum(plan[k] for k in PERSISTENT if k in plan)
+    out = {"plan_mib": plan, "plan_total_mib": plan_total,
            "plan_persistent_mib": plan_persistent, "plan_activations_mib": plan["activations"],
            "attention_estimate": attention, "iterations": len([r for r in records if "lm_loss" in r]),
            "steps_recorded": len(steps)}
@@ -391,8 +389,6 @@ def table(result: dict) -> str:
     for term in real:
         cells = [f"{result['modes'][m]['plan_mib'][term]:.0f}" for m in modes]
         lines.append(f"| {term} | " + " | ".join(cells) + f" | {real[term]:.0f} |")
-    lines.append("| stash added (2 B a parameter; plan.py has 0 under --simulated-delay) | "
-                 + " | ".join(f"{result['modes'][m]['plan_stash_added_mib']:.0f}" for m in modes) + " | 0 |")
     lines.append("| **total compared** | " + " | ".join(f"{result['modes'][m]['plan_total_mib']:.0f}" for m in modes)
                  + f" | {result['real_stage_plan']['total_gb'] * 1024:.0f} |")
     lines.append(f"parameters on the GPU: this run {result['gpu_params'] / 1e9:.4f}B, the real stage "
@@ -473,10 +469,9 @@ def main(argv=None) -> dict:
             if header:
                 result["device"] = f"{header['device']} ({header['total_mib']:.0f} MiB, torch {header['torch']})"
             prow = plan["stages"][0]
-            stash_added = 2 * prow["gpu_params"] / MIB if prow["memory_gb"]["stash"] == 0 else 0.0
             result["gpu_params"] = prow["gpu_params"]
             records = read_jsonl(metrics)
-            result["modes"][mode] = {**compare(prow, stash_added, records, [s for s in step_records if "step" in s],
+            result["modes"][mode] = {**compare(prow, records, [s for s in step_records if "step" in s],
                                                attention_estimate(Flags(flags), layers, mode)),
                                      "losses": [r["lm_loss"] for r in records if "lm_loss" in r],
                                      "megatron_memory_lines": megatron_memory_lines(out),
