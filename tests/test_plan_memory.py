@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_async.pipeline.p2p import PendingSends
-from megatron_async.planning import p2p as plan_p2p
+from megatron_async.planning import send_buffers as plan_p2p
 from megatron_async.planning.send_buffers import (REPLAY_BATCHES, activation_tensor_bytes, replay, stage_peaks,
                                      stage_peaks_on_completion)
 from megatron_async.schedules.actions import SendActivation, SendGrad

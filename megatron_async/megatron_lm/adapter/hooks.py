@@ -381,7 +381,7 @@ def _get_rng_state(original):
         from megatron_async.megatron_lm.checkpoint import saved_rng
 
         delayed = plugin_run.delayed()
-        snapshot = saved_rng.rng_for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
+        snapshot = delayed.rng.for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
         if snapshot is None:
             return original(*args, **kwargs)
         current = saved_rng.capture_rng()

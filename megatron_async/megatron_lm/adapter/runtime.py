@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron_async.corrections.delay_correction import RULES
 from megatron_async.megatron_lm.checkpoint import optimizer_state
 from megatron_async.megatron_lm.checkpoint.optimizer_state import STALE_NORM_KEY, STASH_KEY
-from megatron_async.megatron_lm.checkpoint.saved_rng import snapshot_rng
+from megatron_async.megatron_lm.checkpoint.saved_rng import RngSnapshots
 from megatron_async.pipeline.delayed_step import delayed_optimizer_step
 from megatron_async.schedules.registry import delayed_runtime
 
@@ -83,6 +83,7 @@ class DelayedRun:
         self.stop = None
         self.marker_due = None  # a torch_dist marker written when Megatron names its tracker
         self.rank_only_group = None  # under 2bw with MoE: the "pipeline group" of Megatron's MoE metrics
+        self.rng = RngSnapshots()  # the RNG state a checkpoint saves (checkpoint/saved_rng.py)
 
     def wrap_optimizer(self, model, optimizer):
         """Right after Megatron builds the optimizer, before it loads a checkpoint:
@@ -194,7 +195,7 @@ class DelayedRun:
                 finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
                 clip_grad_mode=args.clip_grad_mode,
                 stale_norm=self.stale_norm,
-                on_batch_start=snapshot_rng,
+                on_batch_start=self.rng.snapshot,
             )
         return self.runner
 

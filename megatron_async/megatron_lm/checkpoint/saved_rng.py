@@ -2,10 +2,10 @@
 
 When Megatron saves after step t, this stage may already have run warm-up forwards of
 batch t+1, drawing dropout masks. The saved RNG state is the one from before that
-batch's first forward (`snapshot_rng`, which adapter/runtime.py gives the 2bw runner
-as its batch-start callback; the hook on Megatron's `get_rng_state` saves
-`rng_for_save`), so a resumed run, which repeats those forwards, draws the same masks
-as the uninterrupted one.
+batch's first forward (`RngSnapshots.snapshot`, which adapter/runtime.py gives the 2bw
+runner as its batch-start callback; the hook on Megatron's `get_rng_state` saves
+`RngSnapshots.for_save`), so a resumed run, which repeats those forwards, draws the
+same masks as the uninterrupted one. The snapshots belong to the run (DelayedRun).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import random
 import numpy as np
 import torch
 
-_RNG_SNAPSHOTS: dict[int, tuple] = {}
 
 
 def capture_rng() -> tuple:
@@ -36,13 +35,18 @@ def restore_rng(state: tuple) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
 
 
-def snapshot_rng(batch: int) -> None:
-    """Before batch `batch`'s first forward on this stage (kept for the last two batches)."""
-    _RNG_SNAPSHOTS[batch] = capture_rng()
-    for old in [b for b in _RNG_SNAPSHOTS if b < batch - 1]:
-        del _RNG_SNAPSHOTS[old]
+class RngSnapshots:
+    """One run's RNG states from before its last two batches' first forwards."""
 
+    def __init__(self):
+        self.by_batch: dict[int, tuple] = {}
 
-def rng_for_save(next_batch: int):
-    """The RNG state a checkpoint taken before `next_batch` must hold (None: the current one)."""
-    return _RNG_SNAPSHOTS.get(next_batch)
+    def snapshot(self, batch: int) -> None:
+        """Before batch `batch`'s first forward on this stage (kept for the last two batches)."""
+        self.by_batch[batch] = capture_rng()
+        for old in [b for b in self.by_batch if b < batch - 1]:
+            del self.by_batch[old]
+
+    def for_save(self, next_batch: int):
+        """The RNG state a checkpoint taken before `next_batch` must hold (None: the current one)."""
+        return self.by_batch.get(next_batch)
