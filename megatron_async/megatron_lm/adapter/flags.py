@@ -13,11 +13,9 @@ import os
 import re
 
 from megatron_async.stash.delay_reference import parse_delays
+from megatron_async.megatron_lm.safety.failures import FlagError  # noqa: F401 - raised here, caught by name elsewhere
 from megatron_async.schedules.registry import delayed_runtime
 
-
-class FlagError(ValueError):
-    """A flag Megatron accepts but the chosen schedule cannot honour; the message names it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

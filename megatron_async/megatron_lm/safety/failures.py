@@ -19,12 +19,17 @@ import time
 from typing import Optional
 
 PEER_LOSS_GRACE_S = 2.5
+
+
+class FlagError(ValueError):
+    """A flag Megatron accepts but the chosen schedule cannot honour; the message names it
+    (raised by adapter/flags.py, reported here in one line)."""
+
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
 def our_line(err: BaseException) -> Optional[tuple[str, int]]:
     """(our one line, the exit code) for a refusal or stop of ours, else None."""
-    from megatron_async.megatron_lm.adapter.flags import FlagError
     from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
     from megatron_async.pipeline.non_finite import NonFiniteError
 
