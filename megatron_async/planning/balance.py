@@ -261,9 +261,3 @@ def _data_parallel_exchange(grad_bytes: float, dp: int, cluster) -> float:
     if dp <= 1:
         return 0.0
     return 2 * (dp - 1) / dp * grad_bytes / cluster.nvlink_bytes_s
-
-
-def planned_split(args, layer: LayerShape) -> Split:
-    """The best split of this run's layers over its pipeline stages under `cost_model`."""
-    return cost_model(args, layer).best(args.pipeline_model_parallel_size,
-                                        first_and_last_only=bool(args.mtp_num_layers))
