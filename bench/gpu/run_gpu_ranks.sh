@@ -6,8 +6,8 @@
 # e.g. `bash bench/gpu/run_gpu_ranks.sh 200 -k "empty and syncs"` for one case.
 set -o pipefail
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"; LIMIT=${1:-480}; shift $(( $# > 0 ))
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${SITE:=/tmp/site}" .whl/*.whl || exit 1
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nproc
   python3 -c "import sys,torch,megatron.core as m;print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'mcore', m.__version__)"
