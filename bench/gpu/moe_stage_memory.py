@@ -109,6 +109,7 @@ CONFIG = "examples/moe_10b/flags.sh"
 CONFIG_WORLD = 32  # examples/moe_10b/plan.sh's world size: PP=4 x DP=8
 ENTRY_FLAG = "--moe-stage-memory-entry"  # first argument when the launcher runs this file as its script
 STEPS_ENV = "MOE_STAGE_MEMORY_STEPS"
+BREAKDOWN_ENV = "MOE_STAGE_MEMORY_BREAKDOWN_STEP"  # the step whose peak the allocator trace takes apart
 MODES = {"local": [], "selective": ["--recompute-granularity", "selective"]}
 # Megatron's local layers on a GPU without Transformer Engine or apex (tests/support/gpu/gpt_flags.py's
 # IMPLS["local"]), and RoPE without TE's fused kernel (Megatron refuses the fusion without TE)
@@ -247,6 +248,7 @@ def entry(argv: list[str]) -> None:
     import torch
     from megatron.training import training
 
+    from bench.gpu import allocation_peak
     from megatron_async import launch
 
     path, step = os.environ[STEPS_ENV], [0]
@@ -260,10 +262,19 @@ def entry(argv: list[str]) -> None:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         write({"device": props.name, "total_mib": props.total_memory / MIB, "torch": torch.__version__})
 
+    traced = int(os.environ.get(BREAKDOWN_ENV, 0) or 0)
+
     def train_step(*args, **kwargs):
         before = _gpu_memory()
+        trace = traced == step[0] + 1 and torch.cuda.is_available()
+        base = allocation_peak.record_start() if trace else None
         out = original(*args, **kwargs)
         step[0] += 1
+        if trace:
+            try:
+                write({"breakdown": allocation_peak.record_stop(base), "of_step": step[0]})
+            except Exception as err:  # the measurement goes on without its breakdown, which says why
+                write({"breakdown": {"error": repr(err)}, "of_step": step[0]})
         write({"step": step[0], "before": before, "after": _gpu_memory()})
         return out
 
@@ -296,7 +307,7 @@ def finish_plan(proc: subprocess.Popen, path: Path, timeout: float) -> dict:
     return json.loads(path.read_text())
 
 
-def launch(flags: list[str], steps: Path, timeout: float, cpu: bool) -> tuple[int, str, float]:
+def launch(flags: list[str], steps: Path, timeout: float, cpu: bool, breakdown_step: int = 0) -> tuple[int, str, float]:
     """torchrun, one process: megatron_async.launch with this file as its script (a dry run
     stays on the CPU, with the launcher's CPU flags and the emulation, even beside a GPU)."""
     import time
@@ -304,7 +315,7 @@ def launch(flags: list[str], steps: Path, timeout: float, cpu: bool) -> tuple[in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            "-m", "megatron_async.launch", str(Path(__file__).resolve()), ENTRY_FLAG, *flags]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(cpu=cpu), STEPS_ENV: str(steps)}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(cpu=cpu), STEPS_ENV: str(steps), BREAKDOWN_ENV: str(breakdown_step)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -415,6 +426,17 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(mode: str, b: dict, rows: int = 20) -> str:
+    lines = [f"{mode}: at the traced step's peak, {b['peak_mib']:.0f} MiB ({b['base_mib']:.0f} before the step, "
+             f"{b['peak_above_base_mib']:.0f} allocated in it; the allocator's peak {b['max_allocated_mib']:.0f}), "
+             f"{b['live_blocks']} blocks; the peak reached at: {b['peak_event_site']}",
+             "| MiB | blocks | sizes (MiB: count) | allocated by |", "| --- | --- | --- | --- |"]
+    for g in b["groups"][:rows]:
+        sizes = ", ".join(f"{k}: {v}" for k, v in list(g["sizes_mib"].items())[:4])
+        lines.append(f"| {g['mib']:.0f} | {g['blocks']} | {sizes} | {g['site']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", type=int, default=2, help="the pipeline stage of the config to run (2: 7 layers)")
@@ -426,6 +448,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--timeout", type=float, default=300, help="seconds a launch may take")
     ap.add_argument("--config", default=CONFIG)
     ap.add_argument("--world-size", type=int, default=CONFIG_WORLD, help="the config's world size (its plan.sh's)")
+    ap.add_argument("--breakdown-step", type=int, default=0,
+                    help="take this step's peak apart with torch's allocator trace (bench/gpu/allocation_peak.py)")
     ap.add_argument("--json")
     opts = ap.parse_args(argv)
     import torch
@@ -450,7 +474,7 @@ def main(argv=None) -> dict:
                                 vocab=opts.vocab_size, tiny=cpu, mode=mode, metrics=metrics)
             plan_json = tmp / f"{mode}_plan.json"
             plan_proc = start_plan(flags, 1, plan_json)  # beside the run: the planner works on the CPU
-            code, out, wall = launch(flags, steps, opts.timeout, cpu)
+            code, out, wall = launch(flags, steps, opts.timeout, cpu, opts.breakdown_step)
             plan = finish_plan(plan_proc, plan_json, opts.timeout)
             if "real_stage_plan" not in result:
                 real = finish_plan(real_plan, tmp / "real_plan.json", opts.timeout)
@@ -476,6 +500,11 @@ def main(argv=None) -> dict:
                                      "losses": [r["lm_loss"] for r in records if "lm_loss" in r],
                                      "megatron_memory_lines": megatron_memory_lines(out),
                                      "wall_s": wall, "flags": flags}
+            breakdown = next((s for s in step_records if "breakdown" in s), None)
+            if breakdown:
+                result["modes"][mode]["peak_breakdown"] = breakdown["breakdown"]
+                print(breakdown.get("breakdown", {}).get("error") or breakdown_table(mode, breakdown["breakdown"]),
+                      flush=True)
             if cpu and result["modes"][mode]["steps_recorded"] != opts.iters:
                 sys.exit(f"{mode}: {result['modes'][mode]['steps_recorded']} steps recorded, not {opts.iters}")
             print(f"{mode}: {result['modes'][mode]['verdict']} ({wall:.0f} s)", flush=True)
