@@ -53,15 +53,18 @@ EP=1, DP=1), and its total against torch's max_memory_allocated from the run's
 `--metrics-json` (the plan's stash term counts `--simulated-delay 1`'s copy, as
 safety/save_space.stash_copies says). One correction is shown beside it, not folded in:
 
-- attention: the plan's activation term assumes flash attention (no s x s tensor kept:
-  Korthikanti et al.'s 34h bytes a token a layer, whose MLP part plan.py replaces for MoE
-  by top-k x (2h + 6f)). Megatron's local DotProductAttention materialises the
-  s x s scores: it keeps the softmax output, 2 x heads x s^2 x b bytes a layer (537 MB at
-  16 heads, s 4096), and a global buffer of that size once. Not in the plan, so the run
-  with local attention is expected above it. The second run, `--recompute-granularity
-  selective` (Megatron recomputes the core attention in the backward, so no layer keeps
-  the s x s tensors: the activation memory the plan's flash estimate describes, plus one
-  layer's recompute at a time), is the closer comparison.
+- attention: Megatron's local DotProductAttention materialises the s x s scores. The
+  plan counts them in its `attention_scores` term (plan.py's docstring: the stored
+  softmax outputs, 2 x heads x s^2 x b bytes a layer, 512 MiB at 16 heads and s 4096;
+  one layer's backward working set; the global score buffer), which is 0 for the flash
+  or fused attention of a Transformer Engine run. Two runs: local attention as it is,
+  then `--recompute-granularity selective` (core attention recomputed in the backward,
+  so no layer keeps its softmax output: the activations a flash run keeps, plus the
+  recompute's working set).
+
+`--breakdown-step N` takes step N's peak apart with torch's allocator trace
+(bench/gpu/allocation_peak.py): the blocks alive at the peak, by the Megatron code that
+allocated them. That is how the plan's terms were checked one by one.
 
 Beside the peak, the launched process records at every training step the memory
 allocated before and after it (the persistent state: weights, stash, gradient buffer,
@@ -122,6 +125,8 @@ DROPPED = ("--save", "--load", "--save-interval", "--exit-signal-handler", "--te
 TINY = {"--hidden-size": 64, "--num-attention-heads": 4, "--seq-length": 128, "--max-position-embeddings": 128,
         "--moe-ffn-hidden-size": 32}
 PERSISTENT = ("weights", "stash", "gradients", "optimizer", "ef_buffer", "p2p_buffers", "tied_link")
+# activation-side terms; of attention_scores one score tensor (Megatron's global buffer) persists
+ACTIVATION = ("activations", "attention_scores")
 MIB = 2**20
 
 
@@ -196,7 +201,7 @@ def folded_experts(flags: Flags) -> tuple[int, int]:
 
 
 def stage_flags(config: list[str], layers: int, *, iters: int, microbatches: int, vocab: int, tiny: bool,
-                mode: str, metrics: Path) -> list[str]:
+                mode: str, metrics: Path, overrides: tuple[str, ...] = ()) -> list[str]:
     """The config's flags for one pipeline stage's `layers` on one GPU (module docstring)."""
     flags = Flags(config)
     experts, _ = folded_experts(flags)
@@ -214,6 +219,9 @@ def stage_flags(config: list[str], layers: int, *, iters: int, microbatches: int
     if tiny:
         for flag, value in TINY.items():
             flags.set(flag, value)
+    for override in overrides:  # "--seq-length=2048": another shape of the same stage, to test the plan's scaling
+        flag, _, value = override.partition("=")
+        flags.set(flag, *value.split())
     for flag in LOCAL:
         flags.drop(flag)
     return flags.argv() + LOCAL + MODES[mode]
@@ -344,25 +352,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
 
 
-def compare(plan_row: dict, records: list[dict], steps: list[dict], attention: dict) -> dict:
-    """The plan's terms (MiB) and the run's readings side by side; measured values None on the CPU."""
+def compare(plan_row: dict, records: list[dict], steps: list[dict], score_mib: float) -> dict:
+    """The plan's terms (MiB) and the run's readings side by side; measured values None on the CPU.
+    `score_mib`: one s x s score tensor, the global buffer that persists when the plan counts scores."""
     plan = {k: v * 1024 for k, v in plan_row["memory_gb"].items()}
     plan_total = plan_row["total_gb"] * 1024
-    plan_persistent = sum(plan[k] for k in PERSISTENT if k in plan)
-    out = {"plan_mib": plan, "plan_total_mib": plan_total,
-           "plan_persistent_mib": plan_persistent, "plan_activations_mib": plan["activations"],
-           "attention_estimate": attention, "iterations": len([r for r in records if "lm_loss" in r]),
-           "steps_recorded": len(steps)}
+    buffer = score_mib if plan.get("attention_scores") else 0.0
+    plan_persistent = sum(plan[k] for k in PERSISTENT if k in plan) + buffer
+    out = {"plan_mib": plan, "plan_total_mib": plan_total, "plan_persistent_mib": plan_persistent,
+           "plan_activations_mib": sum(plan.get(k, 0) for k in ACTIVATION) - buffer,
+           "iterations": len([r for r in records if "lm_loss" in r]), "steps_recorded": len(steps)}
     peaks = [r["max_allocated_mib"] for r in records if "max_allocated_mib" in r]
     if not peaks:
         out.update(measured=False, verdict="not measured: no GPU (CPU dry run)")
         return out
     peak = max(peaks)
-    # the plan's total plus what Megatron's unfused attention is expected to hold beyond a flash estimate
-    # (this script's estimate, not the plan's): the stored softmax outputs and the score buffer
-    adjusted = plan_total + attention["stored_probs_mib"] + attention["score_buffer_mib"]
-    out.update(measured=True, peak_mib=peak, peak_per_iteration_mib=peaks, ratio=peak / plan_total,
-               plan_total_with_local_attention_mib=adjusted, ratio_with_local_attention=peak / adjusted)
+    out.update(measured=True, peak_mib=peak, peak_per_iteration_mib=peaks, ratio=peak / plan_total)
     gpu_steps = [s for s in steps if s.get("before")]
     if gpu_steps:  # the launched process's own readings around each step
         last = gpu_steps[-1]
@@ -373,21 +378,18 @@ def compare(plan_row: dict, records: list[dict], steps: list[dict], attention: d
                    allocated_per_step_mib=[[s["before"]["allocated_mib"], s["after"]["allocated_mib"]]
                                            for s in gpu_steps],
                    persistent_ratio=persistent / plan_persistent,
-                   activation_ratio=(peak - persistent) / plan["activations"] if plan["activations"] else None)
+                   activation_ratio=(peak - persistent) / out["plan_activations_mib"]
+                   if out["plan_activations_mib"] else None)
     out["within_10_percent"] = abs(out["ratio"] - 1) <= 0.10
     out["verdict"] = (f"{'within' if out['within_10_percent'] else 'outside'} 10%: measured / plan = "
                       f"{out['ratio']:.3f}")
     return out
 
 
-def attention_estimate(flags: Flags, layers: int, mode: str) -> dict:
-    """What Megatron's local attention holds beyond the plan's flash estimate (bytes as MiB):
-    the softmax output of every layer (bf16), unless recomputed, and one score buffer."""
+def score_tensor_mib(flags: Flags) -> float:
+    """One layer's s x s attention scores in bf16 (MiB): the unit of the plan's attention_scores."""
     heads, seq = int(flags.value("--num-attention-heads")), int(flags.value("--seq-length"))
-    micro = int(flags.value("--micro-batch-size", 1))
-    scores = 2 * heads * seq * seq * micro / MIB
-    return {"score_tensor_mib": scores, "stored_probs_mib": 0.0 if mode == "selective" else scores * layers,
-            "score_buffer_mib": scores}
+    return 2 * heads * seq * seq * int(flags.value("--micro-batch-size", 1)) / MIB
 
 
 def table(result: dict) -> str:
@@ -406,13 +408,9 @@ def table(result: dict) -> str:
                  f"{result['real_stage_plan']['gpu_params'] / 1e9:.4f}B")
     for m in modes:
         r = result["modes"][m]
-        a = r["attention_estimate"]
         lines.append(f"{m}: {r['iterations']} iterations, launch {r['wall_s']:.0f} s; {r['verdict']}")
         if r["measured"]:
-            lines.append(f"  peak (max_allocated) {r['peak_mib']:.0f} MiB against the plan's "
-                         f"{r['plan_total_mib']:.0f}; "
-                         f"against the plan plus the unfused attention's estimated extra "
-                         f"{r['plan_total_with_local_attention_mib']:.0f}: {r['ratio_with_local_attention']:.3f}")
+            lines.append(f"  peak (max_allocated) {r['peak_mib']:.0f} MiB against the plan's {r['plan_total_mib']:.0f}")
         if r.get("persistent_mib") is not None:
             lines.append(f"  max reserved {r['max_reserved_mib']:.0f} MiB; allocated before/after each step "
                          + ", ".join(f"{before:.0f}/{after:.0f}" for before, after in r["allocated_per_step_mib"]))
@@ -420,9 +418,8 @@ def table(result: dict) -> str:
                          f"plan's {r['plan_persistent_mib']:.0f} ({r['persistent_ratio']:.3f}); of it Megatron's "
                          f"global buffer {r['global_buffer_mib'] or 0:.0f}")
             act = f" ({r['activation_ratio']:.3f})" if r["activation_ratio"] else ""
-            lines.append(f"  peak above it {r['above_persistent_mib']:.0f} against the plan's activations "
-                         f"{r['plan_activations_mib']:.0f}{act}; unfused attention's stored softmax outputs, "
-                         f"not in the plan: {a['stored_probs_mib']:.0f}")
+            lines.append(f"  peak above it {r['above_persistent_mib']:.0f} against the plan's activations and "
+                         f"attention scores {r['plan_activations_mib']:.0f}{act}")
     return "\n".join(lines)
 
 
@@ -448,6 +445,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--timeout", type=float, default=300, help="seconds a launch may take")
     ap.add_argument("--config", default=CONFIG)
     ap.add_argument("--world-size", type=int, default=CONFIG_WORLD, help="the config's world size (its plan.sh's)")
+    ap.add_argument("--set", action="append", default=[], metavar="--FLAG=VALUE",
+                    help="change a flag of the run (and of its plan), e.g. --set=--seq-length=2048")
     ap.add_argument("--breakdown-step", type=int, default=0,
                     help="take this step's peak apart with torch's allocator trace (bench/gpu/allocation_peak.py)")
     ap.add_argument("--json")
@@ -471,7 +470,8 @@ def main(argv=None) -> dict:
         for mode in modes:
             metrics, steps = tmp / f"{mode}_metrics.jsonl", tmp / f"{mode}_steps.jsonl"
             flags = stage_flags(config, layers, iters=opts.iters, microbatches=opts.microbatches,
-                                vocab=opts.vocab_size, tiny=cpu, mode=mode, metrics=metrics)
+                                vocab=opts.vocab_size, tiny=cpu, mode=mode, metrics=metrics,
+                                overrides=tuple(opts.set))
             plan_json = tmp / f"{mode}_plan.json"
             plan_proc = start_plan(flags, 1, plan_json)  # beside the run: the planner works on the CPU
             code, out, wall = launch(flags, steps, opts.timeout, cpu, opts.breakdown_step)
@@ -496,7 +496,7 @@ def main(argv=None) -> dict:
             result["gpu_params"] = prow["gpu_params"]
             records = read_jsonl(metrics)
             result["modes"][mode] = {**compare(prow, records, [s for s in step_records if "step" in s],
-                                               attention_estimate(Flags(flags), layers, mode)),
+                                               score_tensor_mib(Flags(flags))),
                                      "losses": [r["lm_loss"] for r in records if "lm_loss" in r],
                                      "megatron_memory_lines": megatron_memory_lines(out),
                                      "wall_s": wall, "flags": flags}

@@ -18,10 +18,18 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
 - the correction's buffers, fp32, sharded like the main weights: one copy with
   --delay-correction ef (the previous update) or nesterov (the previous gradient),
   two with dc-asgd (the previous update and the gradient's mean square);
-- activations, an estimate: bytes a token a layer (attention block 34h with flash
-  attention, per Korthikanti et al. 2022, its MLP part replaced for MoE by top-k
-  experts' 2h + 6f) x tokens of a microbatch x layers of the stage x microbatches in
-  flight (p - s on stage s under 1F1B and 2bw), plus the last stage's fp32 logits;
+- activations, an estimate: bytes a token a layer x tokens of a microbatch x layers of
+  the stage x microbatches in flight (p - s on stage s under 1F1B and 2bw), plus the
+  last stage's fp32 logits. A dense layer keeps 34h (Korthikanti et al. 2022, flash
+  attention); an MoE layer keeps 20h outside its experts (measured: Megatron-Core's
+  layers with RoPE and QK-norm, bench/gpu/moe_stage_memory.py --breakdown-step) and
+  top-k experts' 2h + 6f (their input, SwiGLU's input and output);
+- attention_scores, with attention that materialises the s x s scores (Megatron's local
+  DotProductAttention, --transformer-impl local or --attention-backend unfused/local; 0
+  with flash or fused attention): the softmax output of every layer in flight (none
+  where --recompute-granularity selective recomputes core attention), a layer's
+  backward working set of three more score tensors (four when recomputed), and
+  Megatron's global score buffer, each 2 x b x heads/TP x s^2 bytes;
 - 2bw's point-to-point buffers: the tensors a stage has sent and holds until the
   sends retire after its next optimizer step, plus an output not yet posted and a
   receive not yet consumed, at their peak, counted exactly by replaying the 2bw
@@ -97,12 +105,33 @@ def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
     per_token_layer = 34 * h
     if args.num_experts:
         f = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        per_token_layer = 15 * h + args.moe_router_topk * (2 * h + 6 * f)
+        per_token_layer = 20 * h + args.moe_router_topk * (2 * h + 6 * f)
     in_flight = args.pipeline_model_parallel_size - stage
     total = per_token_layer * s * b * layers * in_flight
     if last:
         total += 4 * s * b * args.padded_vocab_size
     return total
+
+
+def materialises_scores(args) -> bool:
+    """Whether the run's attention keeps s x s scores (Megatron's local DotProductAttention or
+    an unfused backend); flash and fused attention keep none."""
+    backend = getattr(getattr(args, "attention_backend", None), "name", str(getattr(args, "attention_backend", "")))
+    return args.transformer_impl == "local" or backend in ("unfused", "local")
+
+
+def attention_score_bytes(args, stage: int, layers: int, materialised: bool) -> float:
+    """What attention that materialises the scores adds beyond `activations` (docstring): the
+    stored softmax outputs of the layers in flight unless recomputed, one layer's backward
+    working set and Megatron's global score buffer, in score tensors of 2 x b x heads/TP x s^2."""
+    if not materialised:
+        return 0
+    score = 2 * args.micro_batch_size * args.num_attention_heads // args.tensor_model_parallel_size \
+        * args.seq_length ** 2
+    recomputed = args.recompute_granularity == "selective" and "core_attn" in (args.recompute_modules or ["core_attn"])
+    in_flight = args.pipeline_model_parallel_size - stage
+    stored = 0 if recomputed else layers * in_flight
+    return score * (stored + 3 + (1 if recomputed else 0) + 1)  # + 1: the global buffer
 
 
 def padded_vocab_size(args) -> int:
@@ -164,6 +193,7 @@ def plan(args) -> list[dict]:
     """One row per pipeline stage: parameters of the stage and of one GPU, memory in GB."""
     from megatron_async.planning.send_buffers import activation_tensor_bytes, stage_peaks, stage_peaks_on_completion
 
+    materialised = materialises_scores(args)  # read before _plan_config turns every run to the local spec
     args, config = _plan_config(args)
     p, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size
     dp = args.data_parallel_size
@@ -196,6 +226,7 @@ def plan(args) -> list[dict]:
             "optimizer": (4 + moments) * sharded,
             "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
             "activations": _activation_bytes(args, stage, per_stage[stage], last),
+            "attention_scores": attention_score_bytes(args, stage, per_stage[stage], materialised),
             "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
             "tied_link": tied_link_bytes(args, first, last, grad_bytes) if two_bw else 0,
         }
