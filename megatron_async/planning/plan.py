@@ -60,7 +60,7 @@ from megatron_async.megatron_lm.safety.save_space import CORRECTION_COPIES, stas
 from megatron_async.schedules.registry import delayed_runtime
 
 
-def _build_stage(config, args, layers: int, first: bool, last: bool):
+def _build_stage(config, args, layers: int, first: bool, last: bool, device: str = "meta"):
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -83,7 +83,7 @@ def _build_stage(config, args, layers: int, first: bool, last: bool):
     stage_config.perform_initialization = False
     spec = get_gpt_layer_local_spec(args.num_experts, False, qk_layernorm=args.qk_layernorm,
                                     normalization=args.normalization)
-    with torch.device("meta"):
+    with torch.device(device):
         return GPTModel(stage_config, spec, args.padded_vocab_size, args.max_position_embeddings,
                         pre_process=first, post_process=last,
                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

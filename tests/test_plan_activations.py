@@ -1,0 +1,68 @@
+"""The planner's attention_scores term against Megatron-Core's own attention.
+
+On the CPU: a stage built as the planner builds it (tests/support/saved_activations.py)
+keeps one b x heads x s x s score tensor a layer for its backward with Megatron's local
+attention, and none under `--recompute-granularity selective`; the plan's term grows by
+exactly that much a layer in both cases. The backward's working set and the global buffer
+(a constant number of score tensors) and the h-proportional activation terms were read off
+a GPU's allocator trace (bench/gpu/moe_stage_memory.py --breakdown-step; docs/benchmarks.md)."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from megatron.core.transformer.enums import AttnBackend
+
+from megatron_async.planning.plan import attention_score_bytes, materialises_scores
+
+FLAGS = ["--num-layers", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+         "--max-position-embeddings", "256", "--micro-batch-size", "1", "--train-iters", "2", "--eval-interval", "10",
+         "--lr", "1e-3", "--bf16", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--qk-layernorm", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--num-experts", "2", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
+         "--moe-token-dispatcher-type", "alltoall", "--transformer-impl", "local"]
+
+
+def test_the_plan_counts_the_score_tensors_megatrons_local_attention_keeps_a_layer():
+    proc = subprocess.run([sys.executable, "-m", "tests.support.saved_activations", "--", *FLAGS],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["recompute"], r["layers"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    score = 2 * 1 * 4 * 256 * 256  # bf16, b = 1, 4 heads, s = 256
+    kept = {}
+    for recompute in (None, "selective"):
+        one, two = rows[(recompute, 1)], rows[(recompute, 2)]
+        assert one["materialised"]
+        kept[recompute] = two["score_bytes"] - one["score_bytes"]
+        assert two["plan_attention_scores"] - one["plan_attention_scores"] == kept[recompute], (recompute, one, two)
+    # the two runs differ, so a plan blind to recomputation fails one of them
+    assert kept == {None: score, "selective": 0}
+
+
+def _args(**over):
+    base = dict(transformer_impl="transformer_engine", attention_backend=AttnBackend.auto, micro_batch_size=1,
+                num_attention_heads=16, tensor_model_parallel_size=1, seq_length=4096, recompute_granularity=None,
+                recompute_modules=None, pipeline_model_parallel_size=4)
+    return SimpleNamespace(**{**base, **over})
+
+
+@pytest.mark.parametrize("over, materialised", [
+    ({}, False), ({"attention_backend": AttnBackend.flash}, False), ({"attention_backend": AttnBackend.fused}, False),
+    ({"attention_backend": AttnBackend.unfused}, True), ({"transformer_impl": "local"}, True)])
+def test_only_attention_that_materialises_scores_gets_the_term(over, materialised):
+    args = _args(**over)
+    assert materialises_scores(args) is materialised
+    assert (attention_score_bytes(args, 1, 6, materialises_scores(args)) > 0) is materialised
+
+
+def test_the_score_term_follows_tensor_parallelism_stage_and_recomputation():
+    score = 2 * 16 * 4096**2
+    assert attention_score_bytes(_args(), 1, 6, True) == score * (6 * 3 + 3 + 1)  # 3 microbatches in flight on stage 1
+    assert attention_score_bytes(_args(tensor_model_parallel_size=2), 1, 6, True) == score // 2 * (6 * 3 + 3 + 1)
+    assert attention_score_bytes(_args(recompute_granularity="selective"), 1, 6, True) == score * 5
+    # recomputing other modules than core attention keeps the scores
+    kept = _args(recompute_granularity="selective", recompute_modules=["mlp"])
+    assert attention_score_bytes(kept, 1, 6, True) == attention_score_bytes(_args(), 1, 6, True)
