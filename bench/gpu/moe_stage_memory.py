@@ -7,8 +7,8 @@ As the device command of a lent GPU (installs the carried wheels, writes to $OUT
 
     bash bench/gpu/run_moe_stage_memory.sh            # carry: .whl
 
-Issue 52, item 6: the memory plan of examples/moe_10b (megatron_async.planning.plan) has
-never been measured. This runs one middle stage of that configuration as closely as one
+The memory plan of examples/moe_10b (megatron_async.planning.plan) is an estimate; this
+runs one middle stage of that configuration as closely as one
 GPU allows, reads its peak GPU memory, and sets it beside the plan's figure for exactly
 the configuration that ran. Within 10% passes; otherwise the per-term readings below say
 which part (persistent state or activations) the plan gets wrong.
@@ -51,7 +51,8 @@ Megatron's mock data), changed only where one GPU must differ:
 What is compared. The plan is run for the very same flags at `--world-size 1` (PP=1,
 EP=1, DP=1), and its total against torch's max_memory_allocated from the run's
 `--metrics-json` (the plan's stash term counts `--simulated-delay 1`'s copy, as
-safety/save_space.stash_copies says). One correction is shown beside it, not folded in:
+safety/save_space.stash_copies says). What this run has that a Transformer Engine run
+has not:
 
 - attention: Megatron's local DotProductAttention materialises the s x s scores. The
   plan counts them in its `attention_scores` term (plan.py's docstring: the stored
@@ -64,7 +65,8 @@ safety/save_space.stash_copies says). One correction is shown beside it, not fol
 
 `--breakdown-step N` takes step N's peak apart with torch's allocator trace
 (bench/gpu/allocation_peak.py): the blocks alive at the peak, by the Megatron code that
-allocated them. That is how the plan's terms were checked one by one.
+allocated them. That is how the plan's terms were checked one by one. `--set=--FLAG=VALUE`
+runs another shape (e.g. --set=--seq-length=2048), to check the plan where it was not fitted.
 
 Beside the peak, the launched process records at every training step the memory
 allocated before and after it (the persistent state: weights, stash, gradient buffer,
@@ -83,16 +85,9 @@ On the CPU (`--cpu-dry-run`, or wherever CUDA is absent) the same path runs at a
 size (2 layers, hidden 64, seq 128: the same flags otherwise, through gloo and the
 CPU emulation) to check the script, and reports that no GPU memory was measured.
 
-Time on one H100 (an estimate; not yet run on a GPU). Start-up: a launch of the suite's
-small MoE took 36-48 s with its 30 iterations, so about 35-45 s. Compute: the 1.2B dense
-GPT of gpu_stash_cost.py ran 8 microbatches of 2048 tokens in 1.23 s (about 17 TFLOP a
-microbatch at some 110 TFLOP/s with the local layers); a microbatch of this stage is
-about 15 TFLOP (0.47B parameters, all active, x 6 x 4096 tokens, plus the unfused
-attention's 12 x layers x h x s^2), 0.13-0.2 s at that pace or somewhat slower for the
-local experts, so 1-2 s an iteration at m = 8, plus 10-20 s for the first (torch.compile
-of the SwiGLU fusion). About 50-80 s a launch; two launches (local attention, then
-selective recompute), the plans beside them, the wheels' install: 2-3 minutes. The first
-launch's result is written to the JSON before the second starts.
+Time on one H200: 38-64 s a launch, two launches (local attention, then selective
+recompute), about 2 minutes with the wheels' install; results in docs/benchmarks.md.
+The first launch's result is written to the JSON before the second starts.
 """
 
 from __future__ import annotations
