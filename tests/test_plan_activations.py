@@ -3,7 +3,8 @@
 On the CPU: a stage built as the planner builds it (tests/support/saved_activations.py)
 keeps one b x heads x s x s score tensor a layer for its backward with Megatron's local
 attention, and none under `--recompute-granularity selective`; the plan's term grows by
-exactly that much a layer in both cases. The backward's working set and the global buffer
+exactly that much a layer in both cases. Under full recompute a layer keeps only its
+input, and the plan's activations grow by exactly that. The backward's working set and the global buffer
 (a constant number of score tensors) and the h-proportional activation terms were read off
 a GPU's allocator trace (bench/gpu/moe_stage_memory.py --breakdown-step; docs/benchmarks.md)."""
 
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from megatron.core.transformer.enums import AttnBackend
 
-from megatron_async.planning.plan import attention_score_bytes, materialises_scores
+from megatron_async.planning.plan import attention_score_bytes, materialises_scores, recompute_unit, recomputed_layers
 
 FLAGS = ["--num-layers", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
          "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
@@ -26,11 +27,15 @@ FLAGS = ["--num-layers", "2", "--mock-data", "--tokenizer-type", "NullTokenizer"
          "--moe-token-dispatcher-type", "alltoall", "--transformer-impl", "local"]
 
 
-def test_the_plan_counts_the_score_tensors_megatrons_local_attention_keeps_a_layer():
+@pytest.fixture(scope="module")
+def rows():
     proc = subprocess.run([sys.executable, "-m", "tests.support.saved_activations", "--", *FLAGS],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {(r["recompute"], r["layers"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    return {(r["recompute"], r["layers"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def test_the_plan_counts_the_score_tensors_megatrons_local_attention_keeps_a_layer(rows):
     score = 2 * 1 * 4 * 256 * 256  # bf16, b = 1, 4 heads, s = 256
     kept = {}
     for recompute in (None, "selective"):
@@ -42,10 +47,21 @@ def test_the_plan_counts_the_score_tensors_megatrons_local_attention_keeps_a_lay
     assert kept == {None: score, "selective": 0}
 
 
+def test_under_full_recompute_the_plan_counts_a_layers_input_alone(rows):
+    one, two = rows[("full", 1)], rows[("full", 2)]
+    layer_input = 2 * 64 * 256  # bf16 hidden states of one microbatch: the checkpoint's input
+    assert two["saved_bytes"] - one["saved_bytes"] == layer_input
+    assert two["plan_activations"] - one["plan_activations"] == layer_input
+    assert two["score_storages"] == 0
+    # without recompute a layer keeps far more, so a plan blind to full recompute would fail here
+    assert rows[(None, 2)]["saved_bytes"] - rows[(None, 1)]["saved_bytes"] > 10 * layer_input
+
+
 def _args(**over):
     base = dict(transformer_impl="transformer_engine", attention_backend=AttnBackend.auto, micro_batch_size=1,
                 num_attention_heads=16, tensor_model_parallel_size=1, seq_length=4096, recompute_granularity=None,
-                recompute_modules=None, pipeline_model_parallel_size=4)
+                recompute_modules=None, recompute_method=None, recompute_num_layers=None,
+                pipeline_model_parallel_size=4)
     return SimpleNamespace(**{**base, **over})
 
 
@@ -66,3 +82,15 @@ def test_the_score_term_follows_tensor_parallelism_stage_and_recomputation():
     # recomputing other modules than core attention keeps the scores
     kept = _args(recompute_granularity="selective", recompute_modules=["mlp"])
     assert attention_score_bytes(kept, 1, 6, True) == attention_score_bytes(_args(), 1, 6, True)
+
+
+@pytest.mark.parametrize("method, n, kept, checkpoints, unit", [
+    ("uniform", 1, 0, 7, 1), ("uniform", 3, 0, 3, 3), ("uniform", 8, 0, 1, 7),
+    ("block", 2, 5, 2, 1), ("block", 9, 0, 7, 1)])
+def test_full_recompute_keeps_what_megatrons_checkpointed_forward_keeps(method, n, kept, checkpoints, unit):
+    """megatron/core/recompute.py: `uniform` checkpoints chunks of n layers at their inputs and
+    rebuilds a chunk at a time; `block` checkpoints the first n layers one by one."""
+    args = _args(recompute_granularity="full", recompute_method=method, recompute_num_layers=n)
+    assert recomputed_layers(args, 7) == (kept, checkpoints)
+    assert recompute_unit(args, 7) == unit
+    assert recomputed_layers(_args(), 7) == (7, 0) and recompute_unit(_args(), 7) == 0

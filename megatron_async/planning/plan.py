@@ -23,7 +23,9 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
   last stage's fp32 logits. A dense layer keeps 34h (Korthikanti et al. 2022, flash
   attention); an MoE layer keeps 20h outside its experts (measured: Megatron-Core's
   layers with RoPE and QK-norm, bench/gpu/moe_stage_memory.py --breakdown-step) and
-  top-k experts' 2h + 6f (their input, SwiGLU's input and output);
+  top-k experts' 2h + 6f (their input, SwiGLU's input and output). Under
+  --recompute-granularity full a checkpointed chunk keeps only its input (2h a token)
+  and the backward rebuilds one chunk (uniform) or one layer (block) at a time;
 - attention_scores, with attention that materialises the s x s scores (Megatron's local
   DotProductAttention, --transformer-impl local or --attention-backend unfused/local; 0
   with flash or fused attention): the softmax output of every layer in flight (none
@@ -100,16 +102,45 @@ def _counts(model) -> dict:
     return {"dense": dense, "expert": expert}
 
 
-def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
-    h, s, b = args.hidden_size, args.seq_length, args.micro_batch_size
-    per_token_layer = 34 * h
+def _layer_bytes_per_token(args) -> int:
+    h = args.hidden_size
     if args.num_experts:
         f = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        per_token_layer = 20 * h + args.moe_router_topk * (2 * h + 6 * f)
+        return 20 * h + args.moe_router_topk * (2 * h + 6 * f)
+    return 34 * h
+
+
+def recomputed_layers(args, layers: int) -> tuple[int, int]:
+    """(layers kept whole, checkpoints) of a stage under Megatron's full recompute
+    (megatron/core/recompute.py): `uniform` checkpoints each chunk of --recompute-num-layers
+    layers at its input, `block` the first --recompute-num-layers layers one by one and keeps
+    the rest; without full recompute every layer is kept."""
+    if args.recompute_granularity != "full":
+        return layers, 0
+    n = args.recompute_num_layers
+    if args.recompute_method == "uniform":
+        return 0, -(-layers // n)
+    recomputed = min(n, layers)
+    return layers - recomputed, recomputed
+
+
+def recompute_unit(args, layers: int) -> int:
+    """Layers whose activations a full recompute rebuilds at once in the backward (0: none)."""
+    if args.recompute_granularity != "full":
+        return 0
+    return min(args.recompute_num_layers, layers) if args.recompute_method == "uniform" else min(1, layers)
+
+
+def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
+    tokens = args.seq_length * args.micro_batch_size
+    per_layer = _layer_bytes_per_token(args) * tokens
+    kept, checkpoints = recomputed_layers(args, layers)
     in_flight = args.pipeline_model_parallel_size - stage
-    total = per_token_layer * s * b * layers * in_flight
+    # a checkpoint keeps its chunk's input (2 bytes a hidden value); the backward rebuilds one unit at a time
+    total = (kept * per_layer + checkpoints * 2 * args.hidden_size * tokens) * in_flight
+    total += recompute_unit(args, layers) * per_layer
     if last:
-        total += 4 * s * b * args.padded_vocab_size
+        total += 4 * tokens * args.padded_vocab_size
     return total
 
 
@@ -130,7 +161,8 @@ def attention_score_bytes(args, stage: int, layers: int, materialised: bool) -> 
         * args.seq_length ** 2
     recomputed = args.recompute_granularity == "selective" and "core_attn" in (args.recompute_modules or ["core_attn"])
     in_flight = args.pipeline_model_parallel_size - stage
-    stored = 0 if recomputed else layers * in_flight
+    kept, _ = recomputed_layers(args, layers)
+    stored = 0 if recomputed else kept * in_flight + recompute_unit(args, layers)  # full: the unit rebuilt
     return score * (stored + 3 + (1 if recomputed else 0) + 1)  # + 1: the global buffer
 
 

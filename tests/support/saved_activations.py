@@ -5,12 +5,12 @@ the planner's figures for them (tests/test_plan_activations.py).
 
 Builds stages as the planner does (plan._build_stage: Megatron-Core's GPT model and local
 layer spec, with the embedding and the output layer) with 1 and 2 layers, each without
-recomputation and with `--recompute-granularity selective`, on the CPU through the CUDA
-emulation. Each runs one microbatch's forward under torch's saved-tensor hooks; every
+recomputation, with `--recompute-granularity selective` and with full recompute (uniform,
+one layer a chunk), on the CPU through the CUDA emulation. Each runs one microbatch's forward under torch's saved-tensor hooks; every
 distinct storage autograd saved is counted once, however many views of it are saved.
-Prints JSON: per case, the saved storages shaped like one layer's attention scores
-(b x heads x s x s) and their bytes, and the plan's attention_scores term for the same
-args. The norms' saved tensors differ between CPU and CUDA kernels, so the planner's
+Prints JSON: per case, the bytes of every saved storage that is not a parameter, the
+saved storages shaped like one layer's attention scores (b x heads x s x s) and their
+bytes, and the plan's activations and attention_scores terms for the same args. The norms' saved tensors differ between CPU and CUDA kernels, so the planner's
 h-proportional terms are checked on a GPU instead (bench/gpu/moe_stage_memory.py).
 """
 
@@ -39,17 +39,20 @@ def _saved_scores(args, config, layers: int) -> dict:
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     scores: dict[int, int] = {}
+    saved: dict[int, int] = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params and tuple(tensor.shape) == (b, heads, s, s):
-            scores[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+            if tuple(tensor.shape) == (b, heads, s, s):
+                scores[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(tokens, positions, None, labels=tokens)
     loss.float().sum().backward()  # the graph ran whole: the counted tensors are ones it used
-    return {"score_storages": len(scores), "score_bytes": sum(scores.values())}
+    return {"saved_bytes": sum(saved.values()), "score_storages": len(scores), "score_bytes": sum(scores.values())}
 
 
 def cases(flags: list[str]) -> list[dict]:
@@ -69,12 +72,14 @@ def cases(flags: list[str]) -> list[dict]:
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     out = []
-    for recompute in (None, "selective"):
+    for recompute, method in ((None, None), ("selective", None), ("full", "uniform")):
         args = copy.copy(parsed)
-        args.recompute_granularity = recompute
+        args.recompute_granularity, args.recompute_method = recompute, method
+        args.recompute_num_layers = 1 if method else None
         args, config = plan._plan_config(args)
         for layers in (1, 2):
             out.append({"recompute": recompute, "layers": layers, "materialised": materialised,
+                        "plan_activations": plan._activation_bytes(args, 0, layers, True),
                         "plan_attention_scores": plan.attention_score_bytes(args, 0, layers, materialised),
                         **_saved_scores(args, config, layers)})
     return out
