@@ -44,3 +44,23 @@ def test_a_block_from_before_the_trace_lowers_the_total_when_freed():
 
 def test_allocations_without_a_python_frame_are_named_as_such():
     assert "autograd" in site([])
+
+
+def test_an_address_allocated_twice_counts_once():
+    # a wrapped trace can show an alloc whose free it lost: the block is not counted twice
+    assert replay([alloc(1, 100, MLP), alloc(1, 100, MLP), alloc(2, 10, MLP)])[0] / MIB == 110
+
+
+def test_the_moe_stage_keeps_its_microbatches_under_a_shape_override_and_refuses_its_own_flags(tmp_path):
+    import pytest
+
+    from bench.gpu.moe_stage_memory import Flags, config_flags, stage_flags
+
+    config = config_flags()
+    kw = dict(iters=4, microbatches=8, vocab=1024, tiny=False, mode="selective", metrics=tmp_path / "m.jsonl")
+    flags = Flags(stage_flags(config, 7, overrides=("--micro-batch-size=2", "--seq-length=2048"), **kw))
+    assert (flags.value("--micro-batch-size"), flags.value("--global-batch-size"), flags.value("--seq-length")) \
+        == ("2", "16", "2048")
+    assert flags.value("--recompute-granularity") == "selective"
+    with pytest.raises(SystemExit, match="--recompute-granularity"):
+        stage_flags(config, 7, overrides=("--recompute-granularity=full",), **kw)

@@ -7,7 +7,9 @@ peak and the blocks alive then, grouped by the code that allocated them. A plan'
 that is wrong shows as a group the plan has no term for, or one larger than its term.
 
 Only the blocks allocated while recording are named; what was alive before (weights,
-optimizer state) is `base_bytes`, read when recording starts.
+optimizer state) is `base_bytes`, read when recording starts. The trace records the sizes
+asked for, the allocator's statistic the rounded block sizes: the replayed peak can read a
+little below max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def replay(events: list[dict]) -> tuple[int, int]:
     for i, event in enumerate(events):
         action = event.get("action")
         if action == "alloc":
+            now += event["size"] - live.get(event["addr"], 0)  # an address seen twice: a trace that wrapped
             live[event["addr"]] = event["size"]
-            now += event["size"]
             if now > peak:
                 peak, at = now, i
         elif action == "free_requested":  # a block from before the trace counts by its event's size
@@ -94,25 +96,31 @@ def breakdown(events: list[dict], base_bytes: int, top: int = 30) -> dict:
     }
 
 
-def record_start(max_entries: int = 1_000_000) -> int:
-    """Start torch's allocator trace with Python stacks; returns the bytes allocated now."""
+def record_start(max_entries: int = 1_000_000) -> dict:
+    """Start torch's allocator trace with Python stacks; returns what record_stop needs: the
+    bytes allocated now and the allocator's peak so far."""
     import torch
 
     torch.cuda.synchronize()
+    state = {"base_bytes": torch.cuda.memory_allocated(), "max_before": torch.cuda.max_memory_allocated(),
+             "max_entries": max_entries}
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
                                              max_entries=max_entries)
-    return torch.cuda.memory_allocated()
+    return state
 
 
-def record_stop(base_bytes: int) -> dict:
-    """Stop the trace and return the peak's breakdown (and the allocator's own peak beside it)."""
+def record_stop(state: dict) -> dict:
+    """Stop the trace and return the peak's breakdown, with the allocator's peak before the
+    traced span and after it beside it (equal to the replayed peak when the span holds the
+    run's peak so far)."""
     import torch
 
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     events = snapshot["device_traces"][torch.cuda.current_device()]
-    out = breakdown(events, base_bytes)
+    out = breakdown(events, state["base_bytes"])
+    out["max_allocated_before_mib"] = state["max_before"] / MIB
     out["max_allocated_mib"] = torch.cuda.max_memory_allocated() / MIB
-    out["trace_full"] = len(events) >= 1_000_000
+    out["trace_full"] = len(events) >= state["max_entries"]  # a wrapped trace lost its first events
     return out

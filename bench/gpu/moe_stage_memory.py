@@ -123,6 +123,10 @@ PERSISTENT = ("weights", "stash", "gradients", "optimizer", "ef_buffer", "p2p_bu
 # activation-side terms; of attention_scores one score tensor (Megatron's global buffer) persists
 ACTIVATION = ("activations", "attention_scores")
 MIB = 2**20
+# flags stage_flags sets itself, which --set may not change
+FIXED = {"--num-layers", "--num-experts", "--expert-model-parallel-size", "--pipeline-model-parallel-size",
+         "--tensor-model-parallel-size", "--simulated-delay", "--global-batch-size", "--train-iters",
+         "--metrics-json", "--recompute-granularity", *(f for f in LOCAL if f.startswith("--"))}
 
 
 # -- flags ------------------------------------------------------------------------------------------------
@@ -202,6 +206,14 @@ def stage_flags(config: list[str], layers: int, *, iters: int, microbatches: int
     experts, _ = folded_experts(flags)
     for flag in DROPPED:
         flags.drop(flag)
+    if tiny:
+        for flag, value in TINY.items():
+            flags.set(flag, value)
+    for override in overrides:  # "--seq-length=2048": another shape of the same stage, to test the plan's scaling
+        flag, _, value = override.partition("=")
+        if flag in FIXED:
+            raise SystemExit(f"--set {flag}: this script sets {flag} itself (the stage's layers, the fold, the modes)")
+        flags.set(flag, *value.split())
     micro = int(flags.value("--micro-batch-size", 1))
     flags.set("--num-layers", layers).set("--num-experts", experts).set("--expert-model-parallel-size", 1)
     flags.set("--pipeline-model-parallel-size", 1).set("--tensor-model-parallel-size", 1)
@@ -211,12 +223,6 @@ def stage_flags(config: list[str], layers: int, *, iters: int, microbatches: int
     flags.set("--metrics-json", metrics)
     if vocab:
         flags.set("--vocab-size", vocab)
-    if tiny:
-        for flag, value in TINY.items():
-            flags.set(flag, value)
-    for override in overrides:  # "--seq-length=2048": another shape of the same stage, to test the plan's scaling
-        flag, _, value = override.partition("=")
-        flags.set(flag, *value.split())
     for flag in LOCAL:
         flags.drop(flag)
     return flags.argv() + LOCAL + MODES[mode]
@@ -269,15 +275,20 @@ def entry(argv: list[str]) -> None:
 
     def train_step(*args, **kwargs):
         before = _gpu_memory()
-        trace = traced == step[0] + 1 and torch.cuda.is_available()
-        base = allocation_peak.record_start() if trace else None
+        trace, error = traced == step[0] + 1 and torch.cuda.is_available(), None
+        try:
+            state = allocation_peak.record_start() if trace else None
+        except Exception as err:  # the measurement goes on without its breakdown, which says why
+            trace, error = False, err
         out = original(*args, **kwargs)
         step[0] += 1
         if trace:
             try:
-                write({"breakdown": allocation_peak.record_stop(base), "of_step": step[0]})
-            except Exception as err:  # the measurement goes on without its breakdown, which says why
-                write({"breakdown": {"error": repr(err)}, "of_step": step[0]})
+                write({"breakdown": allocation_peak.record_stop(state), "of_step": step[0]})
+            except Exception as err:
+                error = err
+        if error is not None:
+            write({"breakdown": {"error": repr(error)}, "of_step": step[0]})
         write({"step": step[0], "before": before, "after": _gpu_memory()})
         return out
 
@@ -389,7 +400,8 @@ def score_tensor_mib(flags: Flags) -> float:
 
 def table(result: dict) -> str:
     lines = [f"moe_10b stage {result['stage']} ({result['layers']} layers) on {result['device']}: "
-             f"plan at world size 1 for the flags that ran, and the real stage's plan (PP=4, EP=8, DP=8) for reference"]
+             f"plan at world size 1 for the flags that ran, and the real stage's plan (PP=4, EP=8, DP=8, "
+             f"the config's shape without --set) for reference"]
     real = {k: v * 1024 for k, v in result["real_stage_plan"]["memory_gb"].items()}
     modes = list(result["modes"])
     lines.append("| term (MiB) | " + " | ".join(f"plan, {m}" for m in modes) + " | plan, real stage |")
@@ -419,8 +431,10 @@ def table(result: dict) -> str:
 
 
 def breakdown_table(mode: str, b: dict, rows: int = 20) -> str:
+    full = "; the trace wrapped: its first events are lost" if b["trace_full"] else ""
     lines = [f"{mode}: at the traced step's peak, {b['peak_mib']:.0f} MiB ({b['base_mib']:.0f} before the step, "
-             f"{b['peak_above_base_mib']:.0f} allocated in it; the allocator's peak {b['max_allocated_mib']:.0f}), "
+             f"{b['peak_above_base_mib']:.0f} allocated in it; the allocator's peak before the step "
+             f"{b['max_allocated_before_mib']:.0f}, after it {b['max_allocated_mib']:.0f}{full}), "
              f"{b['live_blocks']} blocks; the peak reached at: {b['peak_event_site']}",
              "| MiB | blocks | sizes (MiB: count) | allocated by |", "| --- | --- | --- | --- |"]
     for g in b["groups"][:rows]:
@@ -446,6 +460,8 @@ def main(argv=None) -> dict:
                     help="take this step's peak apart with torch's allocator trace (bench/gpu/allocation_peak.py)")
     ap.add_argument("--json")
     opts = ap.parse_args(argv)
+    if opts.breakdown_step > opts.iters:
+        ap.error(f"--breakdown-step {opts.breakdown_step} is beyond --iters {opts.iters}")
     import torch
 
     cpu = opts.cpu_dry_run or not torch.cuda.is_available()

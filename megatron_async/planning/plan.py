@@ -21,17 +21,21 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
 - activations, an estimate: bytes a token a layer x tokens of a microbatch x layers of
   the stage x microbatches in flight (p - s on stage s under 1F1B and 2bw), plus the
   last stage's fp32 logits. A dense layer keeps 34h (Korthikanti et al. 2022, flash
-  attention); an MoE layer keeps 20h outside its experts (measured: Megatron-Core's
-  layers with RoPE and QK-norm, bench/gpu/moe_stage_memory.py --breakdown-step) and
-  top-k experts' 2h + 6f (their input, SwiGLU's input and output). Under
-  --recompute-granularity full a checkpointed chunk keeps only its input (2h a token)
-  and the backward rebuilds one chunk (uniform) or one layer (block) at a time;
+  attention); an MoE layer keeps 20h outside its experts (measured with Megatron-Core's
+  local layers, RoPE and QK-norm, no dropout: bench/gpu/moe_stage_memory.py
+  --breakdown-step) and top-k experts' 2h + 6f (their input, SwiGLU's input and output).
+  Under --recompute-granularity full a checkpointed chunk keeps only its input and the
+  backward rebuilds one chunk (uniform) or one layer (block) at a time; selective
+  recompute of modules other than core attention is counted as kept (an overestimate).
+  Sequence and context parallelism are not divided out (an overestimate);
 - attention_scores, with attention that materialises the s x s scores (Megatron's local
   DotProductAttention, --transformer-impl local or --attention-backend unfused/local; 0
-  with flash or fused attention): the softmax output of every layer in flight (none
-  where --recompute-granularity selective recomputes core attention), a layer's
-  backward working set of three more score tensors (four when recomputed), and
-  Megatron's global score buffer, each 2 x b x heads/TP x s^2 bytes;
+  with flash or fused attention, which Transformer Engine's `auto` is taken to pick):
+  per layer in flight, what its scores keep for the backward (the softmax output, with
+  an fp32 softmax also the 16-bit copy the value product keeps, with attention dropout
+  its output and its mask; none where selective recompute rebuilds core attention), a
+  layer's backward working set of three more score tensors (four when recomputed), and
+  Megatron's global score buffer, in elements of b x heads/TP x s^2;
 - 2bw's point-to-point buffers: the tensors a stage has sent and holds until the
   sends retire after its next optimizer step, plus an output not yet posted and a
   receive not yet consumed, at their peak, counted exactly by replaying the 2bw
@@ -102,12 +106,31 @@ def _counts(model) -> dict:
     return {"dense": dense, "expert": expert}
 
 
+# Megatron's TransformerConfig settles these from several flags (--moe-layer-recompute,
+# --apply-query-key-layer-scaling, recompute_modules' default); the plan reads its values
+CONFIG_SETTINGS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+                   "attention_softmax_in_fp32", "attention_dropout")
+
+
+def settings_from_config(args, config):
+    """`args` (a copy) with the config's settled values of CONFIG_SETTINGS."""
+    args = copy.copy(args)
+    for name in CONFIG_SETTINGS:
+        setattr(args, name, getattr(config, name))
+    return args
+
+
+def _selective(args, module: str) -> bool:
+    return args.recompute_granularity == "selective" and module in (args.recompute_modules or ["core_attn"])
+
+
 def _layer_bytes_per_token(args) -> int:
-    h = args.hidden_size
+    """Bytes a layer keeps a token (docstring); selective recompute of modules other than core
+    attention (`moe`, `mlp`, ...) is not modelled: those are counted as kept, an overestimate."""
     if args.num_experts:
         f = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        return 20 * h + args.moe_router_topk * (2 * h + 6 * f)
-    return 34 * h
+        return 20 * args.hidden_size + args.moe_router_topk * (2 * args.hidden_size + 6 * f)
+    return 34 * args.hidden_size
 
 
 def recomputed_layers(args, layers: int) -> tuple[int, int]:
@@ -128,16 +151,20 @@ def recompute_unit(args, layers: int) -> int:
     """Layers whose activations a full recompute rebuilds at once in the backward (0: none)."""
     if args.recompute_granularity != "full":
         return 0
-    return min(args.recompute_num_layers, layers) if args.recompute_method == "uniform" else min(1, layers)
+    return min(args.recompute_num_layers, layers) if args.recompute_method == "uniform" \
+        else min(1, args.recompute_num_layers, layers)
 
 
 def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
+    from megatron_async.planning.send_buffers import activation_tensor_bytes
+
     tokens = args.seq_length * args.micro_batch_size
     per_layer = _layer_bytes_per_token(args) * tokens
     kept, checkpoints = recomputed_layers(args, layers)
     in_flight = args.pipeline_model_parallel_size - stage
-    # a checkpoint keeps its chunk's input (2 bytes a hidden value); the backward rebuilds one unit at a time
-    total = (kept * per_layer + checkpoints * 2 * args.hidden_size * tokens) * in_flight
+    # a checkpoint keeps its chunk's input (the hidden states a stage would send); the backward
+    # rebuilds one unit at a time
+    total = (kept * per_layer + checkpoints * activation_tensor_bytes(args)) * in_flight
     total += recompute_unit(args, layers) * per_layer
     if last:
         total += 4 * tokens * args.padded_vocab_size
@@ -145,25 +172,42 @@ def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
 
 
 def materialises_scores(args) -> bool:
-    """Whether the run's attention keeps s x s scores (Megatron's local DotProductAttention or
-    an unfused backend); flash and fused attention keep none."""
+    """Whether the run's attention keeps s x s scores: Megatron's local DotProductAttention, or an
+    unfused backend asked for by name. Transformer Engine's `auto` counts as flash or fused
+    attention (none kept), which TE picks wherever they support the shape and mask."""
     backend = getattr(getattr(args, "attention_backend", None), "name", str(getattr(args, "attention_backend", "")))
     return args.transformer_impl == "local" or backend in ("unfused", "local")
 
 
+def score_element_bytes(args) -> tuple[int, int]:
+    """(bytes an element of one layer's s x s scores keeps for the backward, bytes an element
+    of the backward's working tensors): the softmax output (fp32 with
+    --attention-softmax-in-fp32), the 16-bit copy the value product keeps when the softmax
+    ran in fp32, and with attention dropout its output and its mask (CUDA's fused dropout
+    keeps a bool mask). Measured on a GPU for a bf16 softmax without dropout; the rest is
+    what Megatron's code keeps (tests/test_plan_activations.py counts it on the CPU)."""
+    dtype = args.params_dtype.itemsize
+    softmax = 4 if args.attention_softmax_in_fp32 else dtype
+    dropout = args.attention_dropout > 0
+    return softmax + (dtype if dropout or softmax != dtype else 0) + (1 if dropout else 0), softmax
+
+
 def attention_score_bytes(args, stage: int, layers: int, materialised: bool) -> float:
-    """What attention that materialises the scores adds beyond `activations` (docstring): the
-    stored softmax outputs of the layers in flight unless recomputed, one layer's backward
-    working set and Megatron's global score buffer, in score tensors of 2 x b x heads/TP x s^2."""
-    if not materialised:
+    """What attention that materialises the scores adds beyond `activations` (docstring): per
+    layer in flight what its scores keep (score_element_bytes) unless core attention is
+    recomputed, then one layer's backward working set (3 score tensors, 4 when recomputed)
+    and Megatron's global score buffer, in elements of b x heads/TP x s^2."""
+    if not materialised or not layers:
         return 0
-    score = 2 * args.micro_batch_size * args.num_attention_heads // args.tensor_model_parallel_size \
+    elements = args.micro_batch_size * args.num_attention_heads // args.tensor_model_parallel_size \
         * args.seq_length ** 2
-    recomputed = args.recompute_granularity == "selective" and "core_attn" in (args.recompute_modules or ["core_attn"])
+    kept_bytes, softmax_bytes = score_element_bytes(args)
+    recomputed = _selective(args, "core_attn")
     in_flight = args.pipeline_model_parallel_size - stage
     kept, _ = recomputed_layers(args, layers)
     stored = 0 if recomputed else kept * in_flight + recompute_unit(args, layers)  # full: the unit rebuilt
-    return score * (stored + 3 + (1 if recomputed else 0) + 1)  # + 1: the global buffer
+    working = (3 + (1 if recomputed else 0)) * softmax_bytes
+    return elements * (stored * kept_bytes + working + args.params_dtype.itemsize)  # + the global buffer
 
 
 def padded_vocab_size(args) -> int:
@@ -227,6 +271,7 @@ def plan(args) -> list[dict]:
 
     materialised = materialises_scores(args)  # read before _plan_config turns every run to the local spec
     args, config = _plan_config(args)
+    args = settings_from_config(args, config)
     p, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size
     dp = args.data_parallel_size
     expert_dp = max(dp * tp // (ep * (args.expert_tensor_parallel_size or tp)), 1)

@@ -4,9 +4,9 @@ the planner's figures for them (tests/test_plan_activations.py).
     python -m tests.support.saved_activations -- MEGATRON FLAGS...
 
 Builds stages as the planner does (plan._build_stage: Megatron-Core's GPT model and local
-layer spec, with the embedding and the output layer) with 1 and 2 layers, each without
-recomputation, with `--recompute-granularity selective` and with full recompute (uniform,
-one layer a chunk), on the CPU through the CUDA emulation. Each runs one microbatch's forward under torch's saved-tensor hooks; every
+layer spec, with the embedding and the output layer) with 1 and 2 layers, for each of
+VARIANTS (selective and full recompute, attention dropout, an fp32 softmax), on the CPU
+through the CUDA emulation. Each runs one microbatch's forward under torch's saved-tensor hooks; every
 distinct storage autograd saved is counted once, however many views of it are saved.
 Prints JSON: per case, the bytes of every saved storage that is not a parameter, the
 saved storages shaped like one layer's attention scores (b x heads x s x s) and their
@@ -21,6 +21,15 @@ import copy
 import io
 import json
 import sys
+
+
+VARIANTS = {  # settings on top of the command line's (which has no dropout and no recompute)
+    "plain": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "attention dropout": {"attention_dropout": 0.1},
+    "fp32 softmax": {"attention_softmax_in_fp32": True},
+}
 
 
 def _saved_scores(args, config, layers: int) -> dict:
@@ -45,7 +54,8 @@ def _saved_scores(args, config, layers: int) -> dict:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in params:
             saved[storage.data_ptr()] = storage.nbytes()
-            if tuple(tensor.shape) == (b, heads, s, s):
+            # a layer's scores, in any view (the value product saves them as b*heads x s x s)
+            if tensor.dim() >= 3 and tuple(tensor.shape[-2:]) == (s, s) and tensor.numel() == b * heads * s * s:
                 scores[storage.data_ptr()] = storage.nbytes()
         return tensor
 
@@ -72,13 +82,15 @@ def cases(flags: list[str]) -> list[dict]:
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     out = []
-    for recompute, method in ((None, None), ("selective", None), ("full", "uniform")):
+    for variant, settings in VARIANTS.items():
         args = copy.copy(parsed)
-        args.recompute_granularity, args.recompute_method = recompute, method
-        args.recompute_num_layers = 1 if method else None
+        for name, value in {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None,
+                            "recompute_modules": None, **settings}.items():
+            setattr(args, name, value)
         args, config = plan._plan_config(args)
+        args = plan.settings_from_config(args, config)
         for layers in (1, 2):
-            out.append({"recompute": recompute, "layers": layers, "materialised": materialised,
+            out.append({"variant": variant, "layers": layers, "materialised": materialised,
                         "plan_activations": plan._activation_bytes(args, 0, layers, True),
                         "plan_attention_scores": plan.attention_score_bytes(args, 0, layers, materialised),
                         **_saved_scores(args, config, layers)})
