@@ -155,7 +155,8 @@ def recompute_unit(args, layers: int) -> int:
         else min(1, args.recompute_num_layers, layers)
 
 
-def _activation_bytes(args, stage: int, layers: int, last: bool) -> float:
+def activation_bytes(args, stage: int, layers: int, last: bool) -> float:
+    """The `activations` term of a stage (module docstring), for args settled by settings_from_config."""
     from megatron_async.planning.send_buffers import activation_tensor_bytes
 
     tokens = args.seq_length * args.micro_batch_size
@@ -302,7 +303,7 @@ def plan(args) -> list[dict]:
             "gradients": grad_bytes * gpu,
             "optimizer": (4 + moments) * sharded,
             "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
-            "activations": _activation_bytes(args, stage, per_stage[stage], last),
+            "activations": activation_bytes(args, stage, per_stage[stage], last),
             "attention_scores": attention_score_bytes(args, stage, per_stage[stage], materialised),
             "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
             "tied_link": tied_link_bytes(args, first, last, grad_bytes) if two_bw else 0,

@@ -91,7 +91,7 @@ def cases(flags: list[str]) -> list[dict]:
         args = plan.settings_from_config(args, config)
         for layers in (1, 2):
             out.append({"variant": variant, "layers": layers, "materialised": materialised,
-                        "plan_activations": plan._activation_bytes(args, 0, layers, True),
+                        "plan_activations": plan.activation_bytes(args, 0, layers, True),
                         "plan_attention_scores": plan.attention_score_bytes(args, 0, layers, materialised),
                         **_saved_scores(args, config, layers)})
     return out
