@@ -107,25 +107,37 @@ def test_the_layers_each_stage_holds_under_megatrons_flags():
     assert layers_per_stage(11, 4, layout="Et*2|t*4|t*4|tL") == [2, 4, 4, 1]
 
 
-def test_the_memory_plan_is_made_for_the_split_the_run_uses(tmp_path):
-    """megatron-async-plan under first/last counts and under a layout: each stage is built
-    with its own layers (a stage between, with no embedding or output layer, holds
-    parameters in proportion to its layers)."""
+SPLIT_ARGS = BASE + ["--num-layers", "11", "--pipeline-model-parallel-size", "4", "--global-batch-size", "16",
+                     "--transformer-impl", "local", "--use-cpu-initialization"]
+DELAY_ARGS = [a for a in BASE if a not in ("--pipeline-schedule", "2bw")] + [
+    "--num-layers", "2", "--global-batch-size", "4", "--transformer-impl", "local", "--use-cpu-initialization"]
+DELAYS = {"delay0": ([], 0), "delay1": (["--simulated-delay", "1"], 1), "delay2": (["--simulated-delay", "2"], 2)}
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """The plans these tests read, made in one planner process (tests/support/plans.py)."""
     import json
     import subprocess
     import sys
 
-    def stages(name, flags):
-        out = tmp_path / f"{name}.json"
-        argv = BASE + ["--num-layers", "11", "--pipeline-model-parallel-size", "4", "--global-batch-size", "16",
-                       "--transformer-impl", "local", "--use-cpu-initialization", *flags]
-        proc = subprocess.run([sys.executable, "-m", "megatron_async.planning.plan", "--world-size", "4",
-                               "--json", str(out), "--", *argv], capture_output=True, text=True, timeout=300)
-        assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads(out.read_text())["stages"]
+    out = tmp_path_factory.mktemp("plans")
+    jobs = {"counts": (4, SPLIT_ARGS + megatron_flags((3, 3, 3, 2))),
+            "layout": (4, SPLIT_ARGS + megatron_flags((2, 4, 4, 1))),
+            **{name: (1, DELAY_ARGS + flags) for name, (flags, _) in DELAYS.items()}}
+    (out / "jobs.json").write_text(json.dumps([{"world": world, "json": str(out / f"{name}.json"), "argv": argv}
+                                               for name, (world, argv) in jobs.items()]))
+    proc = subprocess.run([sys.executable, "-m", "tests.support.plans", str(out / "jobs.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: json.loads((out / f"{name}.json").read_text())["stages"] for name in jobs}
 
-    counted = stages("counts", megatron_flags((3, 3, 3, 2)))
-    laid_out = stages("layout", megatron_flags((2, 4, 4, 1)))
+
+def test_the_memory_plan_is_made_for_the_split_the_run_uses(plans):
+    """megatron-async-plan under first/last counts and under a layout: each stage is built
+    with its own layers (a stage between, with no embedding or output layer, holds
+    parameters in proportion to its layers)."""
+    counted, laid_out = plans["counts"], plans["layout"]
     assert [s["layers"] for s in counted] == [3, 3, 3, 2] and [s["layers"] for s in laid_out] == [2, 4, 4, 1]
     assert laid_out[1]["stage_params"] * 3 == counted[1]["stage_params"] * 4
 
@@ -189,24 +201,10 @@ def test_the_split_does_not_depend_on_the_cost_unit(unit):
     assert split.layers == evenest, (unit, split.layers)
 
 
-def test_the_memory_plan_counts_the_stash_of_every_delayed_run(tmp_path):
+def test_the_memory_plan_counts_the_stash_of_every_delayed_run(plans):
     """The plan's stash term follows what the run holds (safety/save_space.stash_copies, as
     the save-space check counts it): one copy of the weights under 2bw, K under
     --simulated-delay K, none for a synchronous run (the control)."""
-    import json
-    import subprocess
-    import sys
-
-    base = [a for a in BASE if a not in ("--pipeline-schedule", "2bw")] + [
-        "--num-layers", "2", "--global-batch-size", "4", "--transformer-impl", "local", "--use-cpu-initialization"]
-
-    def stage0(name, flags):
-        out = tmp_path / f"{name}.json"
-        proc = subprocess.run([sys.executable, "-m", "megatron_async.planning.plan", "--world-size", "1", "--json",
-                               str(out), "--", *base, *flags], capture_output=True, text=True, timeout=300)
-        assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads(out.read_text())["stages"][0]["memory_gb"]
-
-    for flags, copies in (([], 0), (["--simulated-delay", "1"], 1), (["--simulated-delay", "2"], 2)):
-        memory = stage0(f"delay{copies}", flags)
+    for name, (flags, copies) in DELAYS.items():
+        memory = plans[name][0]["memory_gb"]
         assert memory["stash"] == pytest.approx(copies * memory["weights"]), (flags, memory)
