@@ -34,6 +34,7 @@ from megatron.core.utils import get_model_config
 from megatron_async.pipeline.p2p import PendingSends, StageLinks, post_run
 from megatron_async.schedules.actions import (Backward, Forward, OptimizerStep, RecvActivation, ScheduleError,
                                               SendActivation, is_comm)
+from megatron_async.stash import fused_wgrad
 from megatron_async.stash.weight_stash import WeightStashManager
 
 
@@ -90,6 +91,7 @@ class StageExecutor:
         self._inflight: dict = {}  # microbatch -> (input tensor, output tensor or loss)
         self._reports: dict = {}  # batch -> list of loss reports
         self._drained: set = set()  # microbatches whose activation drain() received early
+        self._fused: dict = {}  # hooked microbatch -> its fused weights (stash/fused_wgrad.py)
         self.pending_sends = PendingSends(num_microbatches)
         # the compute actions this executor runs; any other raises (a zero-bubble list's
         # split backward would otherwise be skipped)
@@ -120,6 +122,8 @@ class StageExecutor:
                 self.forward_step_func, self.data_for(k), self.model, self.m, input_tensor, reports, self.config,
                 self.cp_size, is_first_microbatch=k % self.m == 0, current_microbatch=k % self.m,
                 is_last_stage=self.is_last)
+        if hooks:  # its backward sees plain tensors for the Parameters (stash/fused_wgrad.py)
+            self._fused[k] = self.stash.fused_weights(output)
         if not self.is_last:
             self._outgoing[("act", k)] = output.detach()
             # keeps only the autograd graph; the sent copy's storage lives until its send retires
@@ -133,6 +137,7 @@ class StageExecutor:
         last_of_batch = k % self.m == self.m - 1
         # DDP reduces gradients only after the batch's last backward.
         sync = contextlib.nullcontext() if last_of_batch else self.model.no_sync()
+        fused_wgrad.give_dummy_grads(self._fused.pop(k, ()))
         with sync, self.stash.use(action.version, hooks=False):
             input_grad = schedules.backward_step(input_tensor, output, grad, self.config)
         if not self.is_first:

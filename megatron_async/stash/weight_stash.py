@@ -43,6 +43,8 @@ from typing import Iterator, Union
 
 import torch
 
+from megatron_async.stash import fused_wgrad
+
 Version = Union[int, tuple[int, ...]]  # one version for every parameter, or one per parameter
 
 
@@ -176,6 +178,11 @@ class WeightStashManager:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+
+    def fused_weights(self, outputs) -> list[torch.nn.Parameter]:
+        """After a forward under `use(..., hooks=True)`: the weights its fused linear
+        layers accumulate into `main_grad`, whose backward sees plain tensors (fused_wgrad.py)."""
+        return fused_wgrad.fused_weights(outputs, {id(p): p for p in self.params})
 
     def _check_not_alias(self, tensor: torch.Tensor) -> None:
         if _storage_ptr(tensor) not in self._weight_storages:
