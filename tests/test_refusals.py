@@ -87,6 +87,9 @@ CASES = {
     "too few microbatches": (4, _without(BASE, "--num-layers", "--global-batch-size") + [
         "--num-layers", "4", "--global-batch-size", "4", "--pipeline-model-parallel-size", "4",
         "--pipeline-schedule", "2bw"], "at least 3 microbatches"),
+    "overlapped reduce with fewer microbatches than stages": (4, _without(BASE, "--num-layers", "--global-batch-size") + [
+        "--num-layers", "4", "--global-batch-size", "6", "--pipeline-model-parallel-size", "4",
+        "--pipeline-schedule", "2bw", "--overlap-grad-reduce"], "as many microbatches per batch as stages (3 < 4)"),
     "simulated delay with pipelining": (2, BASE + PP2 + ["--simulated-delay", "1"], "--simulated-delay"),
     "simulated delay with 2bw": (2, BASE + TWO_BW + ["--simulated-delay", "1"],
                                  "--simulated-delay cannot be combined with --pipeline-schedule 2bw"),
@@ -170,6 +173,15 @@ ACCEPTED = {
     "2bw saving torch_dist": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch_dist"]),
     "2bw saving torch": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch"]),
     "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),
+    "2bw, overlapped reduce, fewer microbatches than stages, no fusion": (4, _without(
+        BASE, "--num-layers", "--global-batch-size") + ["--num-layers", "4", "--global-batch-size", "6",
+                                                        "--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+                                                        "2bw", "--overlap-grad-reduce",
+                                                        "--no-gradient-accumulation-fusion"]),
+    "2bw, overlapped reduce, as many microbatches as stages": (4, _without(
+        BASE, "--num-layers", "--global-batch-size") + ["--num-layers", "4", "--global-batch-size", "8",
+                                                        "--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+                                                        "2bw", "--overlap-grad-reduce"]),
     "lion": (1, BASE + ["--optimizer", "lion"]),
     "soap": (1, BASE + ["--optimizer", "soap"]),
 }

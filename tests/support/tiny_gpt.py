@@ -57,7 +57,7 @@ class TinyGPT:
     clip_grad_mode: str = "stage-local"  # 2bw: or "stale-global"
     planned_iterations: Optional[int] = None  # 2bw: the run planned this many and stops early (--exit-interval)
     weight_prediction: Optional[float] = None  # run microbatches at W + alpha (W - W_prev) (one-step delay only)
-    gradient_accumulation_fusion: bool = False  # Megatron's fused wgrad accumulation into main_grad
+    gradient_accumulation_fusion: bool = True  # Megatron's default: fused wgrad accumulation into main_grad
     te_like: Optional[str] = None  # a te_like kernel kind on every local linear layer (tests/support/te_like.py)
     te_like_honours_switch: bool = True  # False: the kernel ignores disable_parameter_transpose_cache
     stash_alias_guard: bool = True  # the weight stash refuses saved aliases of a weight (guard_aliases)

@@ -360,6 +360,12 @@ def _validate_2bw(args: argparse.Namespace) -> None:
     bound = min_microbatches_2bw(pp)
     _require(m >= bound, f"{flag} with {pp} stages needs at least {bound} microbatches per batch "
                          f"(--global-batch-size / (--micro-batch-size x data-parallel size) = {m})")
+    _require(m >= pp or not (args.overlap_grad_reduce and args.gradient_accumulation_fusion),
+             f"{flag} with --overlap-grad-reduce and gradient-accumulation fusion needs at least as many "
+             f"microbatches per batch as stages ({m} < {pp}): with fewer, the first stage runs a batch's last "
+             "forward before the previous step, and its backward's fused weights report to DDP from autograd's "
+             "CPU thread while the device thread starts bucket reductions (stash/fused_wgrad.py). Raise "
+             "--global-batch-size, or pass --no-gradient-accumulation-fusion")
     _require(not args.virtual_pipeline_model_parallel_size,
              f"{flag} does not support virtual pipeline stages "
              "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank)")
