@@ -41,9 +41,9 @@ RTOL = 1e-6
 TIMEOUT_S = 300
 
 
-def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None):
+def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None, model=MODEL):
     metrics = tmp_path / f"{name}.jsonl"
-    proc = warm_run(module, ["--gpt", *CPU, *MODEL, *TRAIN, "--metrics-json", str(metrics), *extra], nproc,
+    proc = warm_run(module, ["--gpt", *CPU, *model, *TRAIN, "--metrics-json", str(metrics), *extra], nproc,
                     TIMEOUT_S, env=env)
     return proc, metrics
 
@@ -78,14 +78,20 @@ def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
             _assert_same(two_bw, sync)
 
 
-def test_2bw_equals_its_twin_with_the_distributed_optimizer_at_dp2(tmp_path):
+@pytest.mark.parametrize("embeddings", ["untied", "tied"])
+def test_2bw_equals_its_twin_with_the_distributed_optimizer_at_dp2(tmp_path, embeddings):
     """PP=2 x DP=2 (4 ranks) against the twin at PP=1 x DP=2, both with Megatron's
-    distributed optimizer and the overlapped gradient reduce that public recipes set, with
+    distributed optimizer and the overlapped gradient reduce and parameter gather that public
+    recipes set, with
     Megatron's default gradient-accumulation fusion; clipping on (stage-local norm over
-    each stage's DP ranks)."""
-    extra = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
-    twin = _losses(tmp_path, "twin", 2, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
-    two_bw = _losses(tmp_path, "2bw", 4, extra + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"])
+    each stage's DP ranks). Tied: the first stage's new embeddings are gathered before they
+    are sent to the last stage, and the last stage's own gather lands before it installs them."""
+    extra = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    model = MODEL if embeddings == "untied" else [a for a in MODEL if a != "--untie-embeddings-and-output-weights"]
+    twin = _losses(tmp_path, "twin", 2, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"],
+                   model=model)
+    two_bw = _losses(tmp_path, "2bw", 4, extra + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"],
+                     model=model)
     _assert_same(two_bw, twin)
 
 
@@ -109,7 +115,9 @@ def _audit(tmp_path, nproc, extra, inject=False, with_async=False, old_exit_chec
 AUDITED = {
     "adam, PP=2": (2, []),
     "muon+ef, PP=2": (2, ["--optimizer", "muon", "--delay-correction", "ef"]),
-    "adam dist-opt, overlapped reduce, PP=2 x DP=2": (4, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    "adam dist-opt, overlapped reduce and gather, PP=2 x DP=2": (4, ["--use-distributed-optimizer",
+                                                                    "--overlap-grad-reduce",
+                                                                    "--overlap-param-gather"]),
     # Megatron's layer-wise optimizer drives its per-rank optimizers only with --bf16
     "moe with aux loss, EP=2, PP=2 x DP=2": (4, ["--num-experts", "4", "--moe-router-topk", "2",
                                                  "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",

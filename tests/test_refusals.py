@@ -72,8 +72,6 @@ CASES = {
     "per-token loss": (2, BASE + TWO_BW + ["--calculate-per-token-loss"], "--calculate-per-token-loss"),
     "fp16 loss scaling": (2, BASE + TWO_BW + ["--fp16"], "--fp16"),
     "parameter norm": (2, BASE + TWO_BW + ["--log-params-norm"], "--log-params-norm"),
-    "overlapped parameter gather": (4, BASE + TWO_BW + ["--use-distributed-optimizer", "--overlap-param-gather",
-                                                        "--overlap-grad-reduce"], "--overlap-param-gather"),
     "straggler detector": (2, BASE + TWO_BW + ["--log-straggler"], "--log-straggler"),
     "batch-size ramp-up": (2, _without(BASE, "--global-batch-size") + TWO_BW + [
         "--global-batch-size", "16", "--rampup-batch-size", "8", "8", "100"], "--rampup-batch-size"),
@@ -173,6 +171,8 @@ ACCEPTED = {
     "2bw saving torch_dist": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch_dist"]),
     "2bw saving torch": (2, BASE + TWO_BW + SAVE + ["--ckpt-format", "torch"]),
     "Megatron's 1F1B": (2, BASE + PP2 + ["--pipeline-schedule", "1f1b"]),
+    "2bw, the recipes' distributed optimizer with both overlaps": (4, BASE + TWO_BW + [
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
     "2bw, overlapped reduce, fewer microbatches than stages, no fusion": (4, _without(
         BASE, "--num-layers", "--global-batch-size") + ["--num-layers", "4", "--global-batch-size", "6",
                                                         "--pipeline-model-parallel-size", "4", "--pipeline-schedule",

@@ -11,12 +11,14 @@ from megatron_async.pipeline.non_finite import check_finite, step_grad_norm
 
 
 def delayed_optimizer_step(optimizer, stash, stale_norm, runner, iteration: int, stage: int):
-    """The tied link's newest weights installed (runner.before_optimizer_step), the stash's
+    """The overlapped all-gathers of the last update finished (stash/param_gather.py), the
+    tied link's newest weights installed (runner.before_optimizer_step), the stash's
     snapshot of the live weights around the step (with the stale global norm's), the tied
     link's send (runner.after_optimizer_step), this stage's gradient norm checked finite
     (NonFiniteError naming `iteration` and `stage`), and .grad cleared: Megatron aliases it
     to DDP's main_grad during the step, and the next backward would accumulate twice.
     Returns the optimizer's (update_ok, grad_norm, zeros)."""
+    stash.finish_param_gathers()  # before the tied link installs weights and the stash copies them
     if runner is not None:
         runner.before_optimizer_step()
     with stash.optimizer_step(), stale_norm.step() if stale_norm else contextlib.nullcontext():

@@ -45,9 +45,13 @@ import torch.distributed as dist
 class TiedEmbeddings:
     """One end of the tied-embedding link: `first` holds E, else this is the last stage's O."""
 
-    def __init__(self, weight: torch.nn.Parameter, live: torch.Tensor, group, peer: int, first: bool):
+    def __init__(self, weight: torch.nn.Parameter, live: torch.Tensor, group, peer: int, first: bool,
+                 whole=lambda: None):
         self.weight = weight
         self.live = live  # the weight's live storage (the stash may point `weight.data` elsewhere)
+        # waits for the overlapped all-gather of the live weight (--overlap-param-gather): before the
+        # first stage sends it, and before the last stage overwrites it (stash/param_gather.py)
+        self.whole = whole
         self.group, self.peer, self.first = group, peer, first
         self._grad_recv: Optional[tuple] = None  # first stage: (work, buffer) of grad(t)
         self._weight_send = None  # first stage: the work of W(t+1)'s send (of the live weights)
@@ -112,6 +116,7 @@ class TiedEmbeddings:
     def after_step(self) -> None:
         """After the optimizer step t: the first stage sends W(t+1), the last posts its receive."""
         if self.first:
+            self.whole()
             self._weight_send = dist.isend(self.live, self.peer, group=self.group)
             return
         self._wait_grad_send()
@@ -126,6 +131,7 @@ class TiedEmbeddings:
         work, buffer = self._weight_recv
         self._weight_recv = None
         work.wait()
+        self.whole()
         self.live.copy_(buffer)
 
     def _wait_grad_send(self) -> None:
@@ -199,6 +205,9 @@ def link_for(model, stash, group) -> Optional[TiedEmbeddings]:
     stage = parallel_state.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     first = stage == 0
-    link = TiedEmbeddings(weight, stash.live_storage(weight), group, ranks[-1] if first else ranks[0], first)
+    from megatron_async.stash.param_gather import gather_now
+
+    link = TiedEmbeddings(weight, stash.live_storage(weight), group, ranks[-1] if first else ranks[0], first,
+                          whole=lambda: gather_now(model, [weight]))
     link.connect()
     return link

@@ -43,6 +43,7 @@ from typing import Iterator, Union
 
 import torch
 
+from megatron_async.stash import param_gather
 from megatron_async.stash import fused_wgrad
 
 Version = Union[int, tuple[int, ...]]  # one version for every parameter, or one per parameter
@@ -72,10 +73,11 @@ class WeightStashManager:
         self._slot_version: list[int] = [0] * self.slots
         self._index = {}
         self.guard_aliases = guard_aliases
-        for chunk in model_chunks:
+        self.chunks = list(model_chunks)  # DDP's chunks: their buffers hold the live weights
+        for chunk in self.chunks:
             for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
                 self._add_buffer(buffer)
-        self._names = _param_names(model_chunks)
+        self._names = _param_names(self.chunks)
         # every storage that holds some version of the weights, for the alias guard
         self._weight_storages = {_storage_ptr(t) for t in self._live} | {
             _storage_ptr(flat) for slot in self._slots for flat in slot}
@@ -222,6 +224,11 @@ class WeightStashManager:
         for param, data in zip(self.params, self._live):
             param.data = data
         self._pointed = None if self.predict is not None else self.newest
+
+    def finish_param_gathers(self) -> int:
+        """Make the live weights whole: wait for the overlapped all-gathers of the last step's
+        update (`--overlap-param-gather`, stash/param_gather.py), before anything reads them."""
+        return param_gather.finish_param_gathers(self.chunks)
 
     @contextlib.contextmanager
     def optimizer_step(self) -> Iterator[None]:

@@ -146,9 +146,6 @@ REFUSED_UNDER_2BW = (
     ("fp16", bool, "--fp16", "its loss scaling skips steps on an inf/nan check across stages; use --bf16"),
     ("rampup_batch_size", lambda v: v is not None, "--rampup-batch-size",
      "changes the microbatch count during training; 2bw's pipeline spans batches"),
-    ("overlap_param_gather", bool, "--overlap-param-gather",
-     "defers gathering the updated weights into the next forwards, but 2bw stashes the live weights at the "
-     "step and runs the next batch's warm-up forwards before it"),
     ("use_megatron_fsdp", bool, "--use-megatron-fsdp",
      "shards the weights, while 2bw's stash swaps whole parameter storages between two versions"),
     ("async_save", bool, "--async-save",
