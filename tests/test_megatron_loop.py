@@ -61,9 +61,9 @@ def _losses(tmp_path, name, nproc, extra, **kw):
     return losses
 
 
-def _assert_same(a, b):
+def _assert_same(a, b, rtol=RTOL):
     for i, (x, y) in enumerate(zip(a, b), 1):
-        assert abs(x - y) <= RTOL * abs(y), f"iteration {i}: {x} vs {y}"
+        assert abs(x - y) <= rtol * abs(y), f"iteration {i}: {x} vs {y}"
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
@@ -78,21 +78,36 @@ def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
             _assert_same(two_bw, sync)
 
 
-@pytest.mark.parametrize("embeddings", ["untied", "tied"])
-def test_2bw_equals_its_twin_with_the_distributed_optimizer_at_dp2(tmp_path, embeddings):
-    """PP=2 x DP=2 (4 ranks) against the twin at PP=1 x DP=2, both with Megatron's
-    distributed optimizer and the overlapped gradient reduce and parameter gather that public
-    recipes set, with
-    Megatron's default gradient-accumulation fusion; clipping on (stage-local norm over
+# case: (embeddings, flags, relative tolerance). bf16 rounds differently at PP=1 and PP=2 (the
+# same runs without the overlaps differ by up to 3e-5); the layer-wise optimizer's gather copying
+# into the stash's slot (stash/param_gather.py) moved the losses by 4e-3.
+BF16_RTOL = 1e-4
+DP2_CASES = {"adam, untied": ("untied", [], RTOL), "adam, tied": ("tied", [], RTOL),
+             "adam+ef, untied": ("untied", ["--delay-correction", "ef"], RTOL),
+             "muon+ef layer-wise, bf16, untied": ("untied", ["--optimizer", "muon", "--delay-correction", "ef",
+                                                            "--bf16"], BF16_RTOL)}
+
+
+@pytest.mark.parametrize("case", list(DP2_CASES))
+def test_2bw_equals_its_twin_with_the_distributed_optimizer_at_dp2(tmp_path, case):
+    """PP=2 x DP=2 (4 ranks) against the twin at PP=1 x DP=2, both with Megatron's distributed
+    optimizer and the overlapped gradient reduce and parameter gather that public recipes set,
+    with Megatron's default gradient-accumulation fusion; clipping on (stage-local norm over
     each stage's DP ranks). Tied: the first stage's new embeddings are gathered before they
-    are sent to the last stage, and the last stage's own gather lands before it installs them."""
-    extra = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    are sent to the last stage, and the last stage's own gather lands before it installs them.
+    Control: Megatron's 1F1B with the same flags is another trajectory."""
+    embeddings, optimizer, rtol = DP2_CASES[case]
+    extra = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", *optimizer]
     model = MODEL if embeddings == "untied" else [a for a in MODEL if a != "--untie-embeddings-and-output-weights"]
     twin = _losses(tmp_path, "twin", 2, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"],
                    model=model)
     two_bw = _losses(tmp_path, "2bw", 4, extra + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"],
                      model=model)
-    _assert_same(two_bw, twin)
+    _assert_same(two_bw, twin, rtol)
+    if case == "adam, untied":
+        sync = _losses(tmp_path, "1f1b", 4, extra + ["--pipeline-model-parallel-size", "2"], model=model)
+        with pytest.raises(AssertionError):
+            _assert_same(two_bw, sync, rtol)
 
 
 def _audit(tmp_path, nproc, extra, inject=False, with_async=False, old_exit_checks=False):
@@ -122,8 +137,15 @@ AUDITED = {
     "moe with aux loss, EP=2, PP=2 x DP=2": (4, ["--num-experts", "4", "--moe-router-topk", "2",
                                                  "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",
                                                  "--expert-model-parallel-size", "2"]),
+    "moe, EP=2, dist-opt, both overlaps, PP=2 x DP=2": (4, ["--num-experts", "4", "--moe-router-topk", "2",
+                                                            "--disable-bias-linear", "--expert-model-parallel-size",
+                                                            "2", "--use-distributed-optimizer",
+                                                            "--overlap-grad-reduce", "--overlap-param-gather"]),
     "muon+ef layer-wise dist-opt, PP=2 x DP=2": (4, ["--optimizer", "muon", "--delay-correction", "ef",
                                                       "--use-distributed-optimizer", "--bf16"]),
+    "muon+ef layer-wise dist-opt, both overlaps, PP=2 x DP=2": (4, [
+        "--optimizer", "muon", "--delay-correction", "ef", "--use-distributed-optimizer", "--bf16",
+        "--overlap-grad-reduce", "--overlap-param-gather"]),
 }
 
 

@@ -18,6 +18,15 @@ that weight's bucket first. Megatron marks a bucket as not dispatched when its
 gradients are reduced, so "not dispatched" does not mean "not whole": only a
 caller that knows the step came since gathers anew. The gathers run over each
 bucket's data-parallel group only.
+
+Megatron's layer-wise optimizer (`--optimizer muon --use-distributed-optimizer`, whose
+DDP runs without the distributed optimizer's buffer layout) gathers into a separate
+list and copies each gathered weight into `param.data`, wherever it points: during a
+forward at the stashed version that is the stash's slot, which the copy would
+overwrite with W(t+1) while the live weights stay partial. For that path
+(`copies_through_params`) the stash gathers everything, with the parameters pointed at
+the live weights, before its first forward at another version after a step: correct,
+without that optimizer's overlap.
 """
 
 from __future__ import annotations
@@ -55,3 +64,19 @@ def gather_now(chunk, params) -> None:
     for group in groups.values():
         if group.param_gather_handle is not None or not group.param_gather_dispatched:
             group.finish_param_sync()
+
+
+def copies_through_params(model_chunks) -> bool:
+    """Whether an overlapped gather copies into `param.data` (the layer-wise optimizer's
+    variable-size gather) rather than into DDP's parameter buffer."""
+    return any(_overlapped(c) and not c.ddp_config.use_distributed_optimizer for c in model_chunks)
+
+
+def gather_all_now(model_chunks) -> None:
+    """Dispatch every bucket's gather not yet dispatched and wait for all of them."""
+    for chunk in model_chunks:
+        if not _overlapped(chunk):
+            continue
+        for group in _groups(chunk):
+            if group.param_gather_handle is not None or not group.param_gather_dispatched:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)

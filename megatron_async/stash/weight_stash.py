@@ -74,6 +74,8 @@ class WeightStashManager:
         self._index = {}
         self.guard_aliases = guard_aliases
         self.chunks = list(model_chunks)  # DDP's chunks: their buffers hold the live weights
+        self._copying_gather = param_gather.copies_through_params(self.chunks)
+        self._gather_due = False  # a step came, and that gather has not run since (param_gather.py)
         for chunk in self.chunks:
             for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
                 self._add_buffer(buffer)
@@ -125,6 +127,10 @@ class WeightStashManager:
         or a tuple with one version per parameter (in the order of `self.params`)."""
         if version == self._pointed:
             return
+        if self._gather_due:  # before the copying gather could land in a stash slot
+            self._point_live()
+            param_gather.gather_all_now(self.chunks)
+            self._gather_due = False
         for param, data in zip(self.params, self._storages(version)):
             param.data = data
         self._pointed = version
@@ -238,6 +244,7 @@ class WeightStashManager:
         self.copy_live_into_stash()
         self._point_live()
         yield
+        self._gather_due = self._copying_gather
         self.newest += 1
         if self.predict is not None:
             with torch.no_grad():

@@ -73,7 +73,9 @@ def _wrap_collective(name: str, original):
                 timing = {"posted": _STATE["steps"], "waited": None}
                 _STATE["records"].append((name, _group_ranks(args, kwargs), timing))
                 work = original(*args, **kwargs)
-                return _AuditedWork(work, timing) if work is not None else work
+                # inside a coalescing manager each op returns a placeholder; the batch's own work completes
+                coalesced = work is None or type(work).__name__ == "_IllegalWork"
+                return work if coalesced else _AuditedWork(work, timing)
             finally:
                 _STATE["recording"] = True
         return original(*args, **kwargs)
