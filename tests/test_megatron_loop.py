@@ -82,8 +82,7 @@ def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
 # same runs without the overlaps differ by up to 3e-5); the layer-wise optimizer's gather copying
 # into the stash's slot (stash/param_gather.py) moved the losses by 4e-3.
 BF16_RTOL = 1e-4
-DP2_CASES = {"adam, untied": ("untied", [], RTOL), "adam, tied": ("tied", [], RTOL),
-             "adam+ef, untied": ("untied", ["--delay-correction", "ef"], RTOL),
+DP2_CASES = {"adam, untied": ("untied", [], RTOL), "adam+ef, tied": ("tied", ["--delay-correction", "ef"], RTOL),
              "muon+ef layer-wise, bf16, untied": ("untied", ["--optimizer", "muon", "--delay-correction", "ef",
                                                             "--bf16"], BF16_RTOL)}
 
