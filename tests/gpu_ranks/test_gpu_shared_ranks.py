@@ -9,6 +9,8 @@ Megatron's local layers, bf16, Muon, m = 8 microbatches (> p).
 - 2bw PP=2 untied and tied, and PP=4, equal their `--simulated-delay 1` twins within
   LOSS_RTOL (bf16 round-off through other reduction orders, as tests/gpu states);
   control: synchronous training at PP=1 is further than that from the untied run.
+- PP=2 x DP=2 with the distributed optimizer, --overlap-grad-reduce and --overlap-param-gather
+  equals its twin at DP=2 within LOSS_RTOL.
 - PP=2 x DP=2 with the distributed optimizer and --overlap-grad-reduce, MoE at EP=2,
   TP=2, and --empty-unused-memory-level 2 with --train-sync-interval 1: each finishes
   with a finite loss at every iteration.
@@ -89,6 +91,20 @@ def test_2bw_equals_its_simulated_twin(tmp_path, case, record):
         control = max_relative_difference(pipelined, sync)
         record(control_vs_synchronous=control)
         assert control > LOSS_RTOL, f"synchronous training is within {LOSS_RTOL} of 2bw ({control:.2e}): no power"
+
+
+RECIPE_OVERLAPS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def test_2bw_with_the_recipes_overlaps_equals_its_twin_at_dp2(tmp_path, record):
+    """PP=2 x DP=2 with the distributed optimizer's overlapped reduce and parameter gather (4 ranks)
+    against its twin at PP=1 x DP=2 with the same flags (2 ranks)."""
+    case = "PP=2 x DP=2, recipe overlaps"
+    twin = _losses(record, tmp_path, f"{case} twin", 2, BASE + RECIPE_OVERLAPS + simulated_twin(2))
+    pipelined = _losses(record, tmp_path, case, 4, BASE + RECIPE_OVERLAPS + two_bw(2))
+    difference = max_relative_difference(pipelined, twin)
+    record(tolerance=LOSS_RTOL, max_rel_difference=difference, twin=twin, two_bw=pipelined)
+    assert difference <= LOSS_RTOL, f"case {case!r}: 2bw differs from its twin by {difference:.2e}"
 
 
 LAYOUTS = {  # case: (ranks, flags)
