@@ -117,6 +117,24 @@ def test_no_import_circles_in_the_package():
     assert find_circle(graph) == []
 
 
+# Lower layers never import the Megatron-LM adapter (megatron_lm/): it wires them into Megatron's loop.
+LOWER_LAYERS = ("megatron_async.corrections", "megatron_async.stash", "megatron_async.schedules")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((name, dep) for name, deps in graph.items() if name.startswith(LOWER_LAYERS)
+                  for dep in deps if dep.startswith("megatron_async.megatron_lm"))
+
+
+def test_lower_layers_do_not_import_the_megatron_lm_adapter():
+    assert upward_imports(import_graph(REPO, "megatron_async")) == []
+
+
+def test_negative_control_an_upward_import_is_found():
+    graph = {"megatron_async.corrections.x": {"megatron_async.megatron_lm.checkpoint.y"}}
+    assert upward_imports(graph) == [("megatron_async.corrections.x", "megatron_async.megatron_lm.checkpoint.y")]
+
+
 def test_negative_control_a_circle_is_found():
     graph = {"a.registry": {"a.builtin"}, "a.builtin": {"a.registry"}, "a.sim": {"a.registry"}}
     assert find_circle(graph) == ["a.builtin", "a.registry", "a.builtin"]

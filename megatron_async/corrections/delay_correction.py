@@ -203,17 +203,20 @@ class DelayCorrectedOptimizer:
 
     Everything but `step`, `sharded_state_dict` and `load_state_dict` is the wrapped
     optimizer's (attribute reads and writes are delegated). The correction's state
-    travels inside the optimizer's sharded state dict as a per-rank object, so
-    checkpoints need no extra wiring.
+    travels inside the optimizer's sharded state dict under STATE_KEY, packed by
+    `checkpoint` (`add_state(sharded, key, state, is_loading, expected)` and
+    `pop_state(state_dict, key, load)`: Megatron's adapter hands in its per-rank
+    objects, megatron_lm/checkpoint/optimizer_state.py); without one, as a plain entry.
     """
 
-    _OWN = ("wrapped", "delay_correction")
+    _OWN = ("wrapped", "delay_correction", "checkpoint")
 
     def __init__(self, optimizer, ef_lambda: float = 1.0, rule: str = "ef", dc_lambda: float = 1.0,
-                 nesterov_beta: float = 0.9):
+                 nesterov_beta: float = 0.9, checkpoint=None):
         object.__setattr__(self, "wrapped", optimizer)
         object.__setattr__(self, "delay_correction",
                            DelayCorrection(optimizer, ef_lambda, rule, dc_lambda, nesterov_beta))
+        object.__setattr__(self, "checkpoint", checkpoint or _PlainState)
 
     def __getattr__(self, name):
         return getattr(self.wrapped, name)
@@ -230,15 +233,29 @@ class DelayCorrectedOptimizer:
             return self.wrapped.step()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        from megatron_async.megatron_lm.checkpoint.optimizer_state import add_state
-
         state = self.wrapped.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        return add_state(state, STATE_KEY, self.delay_correction.state_dict, is_loading,
-                         self.delay_correction.load_expected)
+        return self.checkpoint.add_state(state, STATE_KEY, self.delay_correction.state_dict, is_loading,
+                                         self.delay_correction.load_expected)
 
     def load_state_dict(self, state_dict) -> None:
-        from megatron_async.megatron_lm.checkpoint.optimizer_state import pop_state
+        self.wrapped.load_state_dict(self.checkpoint.pop_state(state_dict, STATE_KEY,
+                                                               self.delay_correction.load_state_dict))
 
-        self.wrapped.load_state_dict(pop_state(state_dict, STATE_KEY, self.delay_correction.load_state_dict))
+
+class _PlainState:
+    """The correction's state as a plain entry of the optimizer's state dict."""
+
+    @staticmethod
+    def add_state(sharded: dict, key: str, state, is_loading: bool, expected: bool = True) -> dict:
+        if not is_loading or expected:
+            sharded[key] = state()
+        return sharded
+
+    @staticmethod
+    def pop_state(state_dict, key: str, load):
+        if isinstance(state_dict, dict) and key in state_dict:
+            state_dict = dict(state_dict)
+            load(state_dict.pop(key))
+        return state_dict
 
 

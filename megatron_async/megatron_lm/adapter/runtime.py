@@ -106,7 +106,8 @@ class DelayedRun:
             from megatron_async.megatron_lm.adapter.flags import nesterov_beta
 
             optimizer = DelayCorrectedOptimizer(optimizer, ef_lambda=args.ef_lambda, rule=args.delay_correction,
-                                                dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args))
+                                                dc_lambda=args.dc_lambda, nesterov_beta=nesterov_beta(args),
+                                                checkpoint=optimizer_state)
             optimizer.delay_correction.load_expected = bool(resumed.get("delay_correction")) and in_optimizer
         if two_bw and args.clip_grad_mode == "stale-global":
             from megatron_async.pipeline.p2p import duplicate_pipeline_group
