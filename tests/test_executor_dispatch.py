@@ -40,3 +40,19 @@ def test_an_action_the_executor_cannot_run_stops_it_by_name(name, monkeypatch):
     with pytest.raises(ScheduleError, match=r"stage 0: the executor cannot run BackwardInput\(") as err:
         e.train_step(0)
     assert "BackwardInput" in str(err.value) and "Forward" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "1f1b"])
+def test_an_action_on_a_chunk_the_stage_does_not_hold_stops_it(name, monkeypatch):
+    """An interleaved list's Forward(chunk=1) must not run chunk 0 in silence."""
+    p, m = 2, 4
+    lists = generate(name, p, m, 1)
+    ran: list = []
+    e = _executor(lists[0], 0, p, m, monkeypatch, ran)
+    if name == "1f1b":  # control: a one-chunk list runs to its end
+        e.train_step(0)
+        assert ran and all(getattr(a, "chunk", 0) == 0 for a in ran)
+        return
+    with pytest.raises(ScheduleError, match=r"runs model chunk 1, but this stage holds one chunk"):
+        e.train_step(0)
+    assert all(getattr(a, "chunk", 0) == 0 for a in ran)

@@ -164,3 +164,16 @@ def test_cli_bad_flag_is_one_line(capsys):
     assert exc.value.code != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--pp" in err
+
+
+def test_cli_offers_a_schedule_registered_later(capsys):
+    from megatron_async.schedules import registry
+
+    registry.register_schedule("test-registered-2bw", generator="megatron_async.schedules.generators:two_bw")
+    try:
+        assert main(["--schedule", "test-registered-2bw", "--pp", "2", "--microbatches", "2", "--json"]) == 0
+    finally:
+        registry._REGISTRY.pop("test-registered-2bw")
+    with pytest.raises(SystemExit):  # and only registered ones
+        main(["--schedule", "test-registered-2bw", "--pp", "2", "--microbatches", "2", "--json"])
+    assert "invalid choice" in capsys.readouterr().err

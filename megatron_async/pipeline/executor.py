@@ -190,6 +190,10 @@ class StageExecutor:
                 raise ScheduleError(f"stage {self.links.stage}: the executor cannot run {action!r} "
                                     f"({type(action).__name__}); it runs {', '.join(t.__name__ for t in self._compute)} "
                                     "and point-to-point actions")
+            if getattr(action, "chunk", 0) != 0:  # this stage holds one piece of the model, chunk 0
+                raise ScheduleError(f"stage {self.links.stage}: {action!r} runs model chunk {action.chunk}, "
+                                    "but this stage holds one chunk (0): an interleaved list needs a virtual "
+                                    "pipeline, which 2bw does not run")
             self._lookahead.popleft()
             result = getattr(self, name)(action)
             if isinstance(action, OptimizerStep) and stop is not None and action.step == stop:

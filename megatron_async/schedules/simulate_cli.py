@@ -12,11 +12,10 @@ import argparse
 import json
 import sys
 
-from megatron_async.schedules.registry import get_schedule_generator
+from megatron_async.schedules.registry import available_schedules, get_schedule, get_schedule_generator
 from megatron_async.schedules.simulator import simulate, to_chrome_trace
 from megatron_async.schedules.validator import ScheduleError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "2bw", "pipedream")
 PROG = "megatron-async-simulate"
 
 
@@ -39,9 +38,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def simulated_schedules() -> list[str]:
+    """Every registered schedule with an action-list generator (`register_schedule` adds to them)."""
+    return [name for name in available_schedules() if get_schedule(name).generator is not None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--schedule", required=True, choices=SCHEDULES)
+    ap.add_argument("--schedule", required=True, choices=simulated_schedules())
     ap.add_argument("--pp", type=_positive, required=True, help="pipeline stages p")
     ap.add_argument("--microbatches", type=_positive, required=True, help="microbatches per batch m")
     ap.add_argument("--batches", type=_positive, default=3, help="batches (optimizer steps) n")
