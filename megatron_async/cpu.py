@@ -399,6 +399,59 @@ def _patch_uneven_all_gather() -> None:
     dist.all_gather = all_gather
 
 
+def _patch_distributed_optimizer_step() -> None:
+    """Megatron-Core 0.19.2's distributed optimizer cannot resume from its own checkpoint
+    in a CPU run, for reasons GPU runs (Transformer Engine's FusedAdam, bf16) do not meet.
+
+    Without Transformer Engine or apex it wraps torch's Adam, which keeps `step` in each
+    parameter's state (FusedAdam: in the param group), and mishandles that `step` three times:
+    a load builds the sharded state dict through `state_dict()`, which asserts on the one
+    `step` of that state before any step has created it (`assert len(steps) == 1`); the
+    parameter-state loaders then copy the placeholder `step` taken then over the one loaded
+    from the param groups (a resume restarts Adam's bias correction at step 0); and
+    `load_state_dict` gives every parameter the same `step` tensor, which torch's Adam
+    increments once per parameter. Here an optimizer that has not stepped reports step 0
+    (its state stays empty, so Megatron allocates it as it does), the parameter-state copy
+    leaves `step` alone, and each parameter gets its own copy of the loaded step.
+
+    With fp32 parameters the main parameters are views of the model's (with bf16, fp32
+    copies), and the DP-reshardable and torch-format loaders copy into them with autograd
+    on, which torch refuses for a view of a leaf that requires grad; here that copy runs
+    under no_grad, as Megatron's other loaders do."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if dopt.HAVE_APEX_OR_TE:
+        return
+    cls = dopt.DistributedOptimizer
+    original_state_dict, original_load = cls.state_dict, cls.load_state_dict
+    original_set_states = cls._set_main_param_and_optimizer_states
+
+    def state_dict(self):
+        inner = self.optimizer
+        if len(inner.state) or not isinstance(inner, torch.optim.Optimizer):
+            return original_state_dict(self)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param]["step"] = torch.tensor(0.0)
+        try:
+            return original_state_dict(self)
+        finally:
+            inner.state.clear()
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    @torch.no_grad()
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        original_set_states(self, model_param, {**tensors, "step": None})  # not a tensor: not copied
+
+    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
+    cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+
 FUSED_WGRAD_MODULE = "fused_weight_gradient_mlp_cuda"
 
 
@@ -464,6 +517,7 @@ def activate() -> bool:
     _patch_rng_tracker()
     _patch_moe_host_copies()
     _patch_uneven_all_gather()
+    _patch_distributed_optimizer_step()
     _patch_distributed()
     with contextlib.suppress(ImportError):
         _patch_missing_te_names()
