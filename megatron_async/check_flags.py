@@ -23,7 +23,8 @@ import sys
 
 def parse(argv: list[str], world: int, cpu_flags: bool = False):
     """Megatron's parsed and validated args for `argv` (our hooks run inside validation);
-    raises FlagError, SystemExit (argparse) or Megatron's AssertionError on a refusal."""
+    raises FlagError (ours, and Megatron's own checks in validate_args), SystemExit (argparse)
+    or, with cpu_flags, the model configuration's own error on a refusal."""
     from megatron.training import arguments
 
     from megatron_async.launch import with_cpu_flags
@@ -45,17 +46,19 @@ def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
     and validation with our hooks, as the GPT entry runs them. "by" is "megatron-async"
     (our checks), "argparse" or "megatron" (Megatron's own assertions), None if accepted."""
     from megatron_async.megatron_lm.adapter.flags import FlagError
+    from megatron_async.megatron_lm.adapter.megatron_asserts import MegatronArgumentError
 
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
             parse(argv, world, cpu_flags)
-    except FlagError as err:
-        return {"refused": True, "error": str(err), "by": "megatron-async"}
+    except FlagError as err:  # Megatron's own checks in validate_args come as ours, naming the flag
+        by = "megatron" if isinstance(err, MegatronArgumentError) else "megatron-async"
+        return {"refused": True, "error": str(err), "by": by}
     except SystemExit:  # argparse: unknown flag, or a value outside the flag's choices
         lines = [line for line in stderr.getvalue().splitlines() if "error:" in line]
         return {"refused": True, "error": lines[-1] if lines else stderr.getvalue(), "by": "argparse"}
-    except Exception as err:  # noqa: BLE001 - Megatron's own checks assert; report their text
+    except Exception as err:  # noqa: BLE001 - Megatron's checks outside validate_args; report their text
         import traceback
 
         where = traceback.extract_tb(err.__traceback__)[-1]

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from megatron_async.megatron_lm.adapter import flags, plugin_run, runtime
+from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_run, runtime
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
 from megatron_async.schedules.registry import delayed_runtime
 
@@ -46,12 +46,41 @@ def _add_megatron_arguments(original):
 
 
 def _validate_args(original):
+    """Megatron's failed checks as our one line naming the user's flag (megatron_asserts.py),
+    and its argument dump printed only once our checks pass, so a refusal comes last."""
+
     @functools.wraps(original)
     def hooked(args, *rest, **kwargs):
+        global _held_dumps
         flags.validate_first(args)  # what Megatron would only assert, without a word
-        result = original(args, *rest, **kwargs)
-        flags.validate(args)
+        _held_dumps = held = []
+        try:
+            with megatron_asserts.as_flag_errors(args):
+                result = original(args, *rest, **kwargs)
+            megatron_asserts.check_train_batch(args)
+            flags.validate(args)
+        finally:
+            _held_dumps = None
+        for dump in held:
+            dump()
         return result
+
+    return hooked
+
+
+_held_dumps = None  # while validate_args runs: Megatron's argument dumps, printed once our checks pass
+
+
+def _print_args(original):
+    """Megatron prints every argument (some 870 lines) at the end of validate_args, before
+    our checks run: held back by _validate_args until they pass."""
+
+    @functools.wraps(original)
+    def hooked(title, args):
+        if _held_dumps is None:
+            return original(title, args)
+        _held_dumps.append(functools.partial(original, title, args))
+        return None
 
     return hooked
 
@@ -491,6 +520,7 @@ A = "megatron.training.arguments"
 HOOKS = (
     Hook(A, "add_megatron_arguments", "arguments.py:121 parse_args: every parser, --help", _add_megatron_arguments),
     Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args),
+    Hook(A, "_print_args", "arguments.py:1904 validate_args: the argument dump", _print_args),
     Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func),
     Hook(T, "get_megatron_optimizer", "training.py:2132 setup_model_and_optimizer (before load_checkpoint, 2199)",
          _get_megatron_optimizer),
