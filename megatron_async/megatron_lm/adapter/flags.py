@@ -424,7 +424,12 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
     if not args.load:
         return
     from megatron_async.megatron_lm.checkpoint.marker import saved_contents
+    from megatron_async.megatron_lm.safety.checkpoint_guard import fresh_start_notice
 
+    notice = fresh_start_notice(args.load, getattr(args, "ckpt_step", None),
+                                getattr(args, "pretrained_checkpoint", None))
+    if notice and not getattr(args, "exit_on_missing_checkpoint", False) and int(os.environ.get("RANK", "0")) == 0:
+        print(notice, flush=True)
     _check_tied_embeddings_match(args)
     _say_when_nothing_will_train(args)
     held = saved_contents(args)

@@ -10,11 +10,14 @@ exists, on every rank, from the file system alone:
   newest complete iteration and `--ckpt-step`;
 - `--save` holds complete, undamaged checkpoints newer than the iteration this run
   resumes from: refused, naming the newest and `--load`;
-- `--save` cannot be written: refused now rather than at the first save.
+- `--save` cannot be written: refused now rather than at the first save;
+- `--load` is a file, or one iteration's folder (iter_NNNNNNN): refused, naming the
+  directory to give.
 
-An empty or missing `--load` still starts: the first job of a requeue chain whose
-`--save` and `--load` are the same directory. A checkpoint that fails to load is
-reported with its directory and the previous complete iteration (`load_failure`).
+An empty or missing `--load` still starts, saying so in one line (`fresh_start_notice`):
+the first job of a requeue chain whose `--save` and `--load` are the same directory.
+A checkpoint that fails to load is reported with its directory and the previous
+complete iteration (`load_failure`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ def tracked_iteration(root: str) -> Optional[int]:
 def resume_problem(load: Optional[str], save: Optional[str], ckpt_step: Optional[int]) -> Optional[str]:
     """Why starting with these flags would silently start afresh over checkpoints, or None."""
     start = 0
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        parent = os.path.dirname(os.path.abspath(load))
+        hint = f" (here: --load {parent})" if tracked_iteration(parent) is not None else ""
+        return (f"--load {load} is a file, not a checkpoint directory, so Megatron would start from scratch: give "
+                f"the directory --save wrote, which holds {TRACKER} and the iter_* folders{hint}")
+    one = _ITERATION_DIR.fullmatch(os.path.basename(os.path.normpath(load))) if load else None
+    if one and ckpt_step is None and tracked_iteration(load) is None:
+        return (f"--load {load} is one iteration's checkpoint, not the directory --save wrote, so Megatron would "
+                f"start from scratch: pass --load {os.path.dirname(os.path.normpath(load)) or '.'} --ckpt-step "
+                f"{int(one.group(1))}")
     if load:
         held = complete_iterations(load)
         tracked = tracked_iteration(load)
@@ -90,6 +103,21 @@ def resume_problem(load: Optional[str], save: Optional[str], ckpt_step: Optional
         return (f"--save {save} holds checkpoints newer than this run, which {where} (the newest: iteration "
                 f"{newer[-1]}); they would be overwritten. Pass --load {save} to resume from them, or choose "
                 "another --save")
+    return None
+
+
+def fresh_start_notice(load: Optional[str], ckpt_step: Optional[int] = None,
+                       pretrained: Optional[str] = None) -> Optional[str]:
+    """Our line for a --load with nothing to resume, which Megatron starts from scratch
+    with one warning among its log; None when it will load something."""
+    if not load or pretrained or tracked_iteration(load) is not None:
+        return None
+    if not os.path.exists(load):
+        return (f"megatron-async: --load {load} does not exist: this run starts from scratch (iteration 0), "
+                "as Megatron does")
+    if os.path.isdir(load) and ckpt_step is None and not complete_iterations(load):
+        return (f"megatron-async: --load {load} holds no checkpoint ({TRACKER}): this run starts from scratch "
+                "(iteration 0), as Megatron does")
     return None
 
 
