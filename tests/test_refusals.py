@@ -203,6 +203,11 @@ def _data_cases(small_corpus, tmp_path):
         "missing tokenizer": (1, data + ["--train-data-path", str(small_corpus / "train_text_document"),
                                          "--tokenizer-type", "SentencePieceTokenizer",
                                          "--tokenizer-model", "/nonexistent/tokenizer.model"], "--tokenizer-model"),
+        "tokenizer directory": (1, data + ["--train-data-path", str(small_corpus / "train_text_document"),
+                                           "--tokenizer-type", "SentencePieceTokenizer",
+                                           "--tokenizer-model", str(small_corpus)],
+                                f"is a directory; --tokenizer-type SentencePieceTokenizer needs the model file itself, "
+                                f"e.g. --tokenizer-model {small_corpus / 'tokenizer.model'}"),
         "validation split under one batch": (1, _without(data, "--seq-length", "--max-position-embeddings") + sp + [
             "--seq-length", "2048", "--max-position-embeddings", "2048",
             "--train-data-path", str(small_corpus / "train_text_document"),
@@ -220,8 +225,8 @@ def results(small_corpus, tmp_path_factory):
     return check_in_one_process(cases, tmp_path), _data_cases(small_corpus, tmp_path)
 
 
-@pytest.mark.parametrize("name", list(CASES) + ["missing dataset", "missing tokenizer", "truncated dataset",
-                                                "validation split under one batch"])
+@pytest.mark.parametrize("name", list(CASES) + ["missing dataset", "missing tokenizer", "tokenizer directory",
+                                                "truncated dataset", "validation split under one batch"])
 def test_refused_before_training_naming_the_flag(results, name):
     found, data_cases = results
     needle = (CASES.get(name) or data_cases[name])[2]

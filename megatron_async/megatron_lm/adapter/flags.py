@@ -9,6 +9,7 @@ message naming the flag.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 
@@ -572,6 +573,12 @@ def _check_data(args: argparse.Namespace) -> None:
     from megatron_async.data.errors import DataError
 
     sentencepiece = args.tokenizer_type == "SentencePieceTokenizer"
+    if sentencepiece and args.tokenizer_model and os.path.isdir(args.tokenizer_model):
+        inside = sorted(glob.glob(os.path.join(args.tokenizer_model, "*.model")))
+        raise FlagError(f"--tokenizer-model {args.tokenizer_model} is a directory; --tokenizer-type "
+                        "SentencePieceTokenizer needs the model file itself"
+                        + (f", e.g. --tokenizer-model {inside[0]}" if inside else
+                           " (a .model file, as megatron-async-prepare-data writes tokenizer.model)"))
     if sentencepiece:
         _require(args.tokenizer_model is not None and os.path.isfile(args.tokenizer_model),
                  f"--tokenizer-model {args.tokenizer_model}: no such file (needed by --tokenizer-type "
