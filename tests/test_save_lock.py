@@ -77,6 +77,7 @@ def test_a_second_job_on_a_live_jobs_save_is_refused_and_a_requeue_after_kill_ta
         assert "lm_loss" not in (tmp_path / "second.jsonl").read_text() if (tmp_path / "second.jsonl").exists() else True
         assert first.running()  # the first job trains on
         first.kill()  # the whole job, as a node failure would
+        assert (save / LOCK_NAME).exists()  # left behind, and harmless: the lock was the process's
         code, out = _finish(_job(tmp_path, "requeue", save, int(_latest(save)) + 2, ["--load", str(save),
                                                                                     "--override-opt_param-scheduler"]))
         assert code == 0, out[-4000:]
