@@ -39,9 +39,8 @@ def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second", **run):
 CASES = {
     "muon + DC-ASGD": (2, PP2_2BW + ["--optimizer", "muon", "--delay-correction", "dc-asgd"]),
     "adam, weight prediction": (2, PP2_2BW + ["--delay-correction", "predict"]),  # two stash slots
-    # one file per data-parallel rank too. (Megatron-Core 0.19.2's distributed optimizer cannot
-    # resume on the CPU, without Apex or Transformer Engine, in either format and in its own
-    # synchronous runs as well; it fails loudly.)
+    # one file per data-parallel rank too (the distributed optimizer's resume:
+    # tests/test_distributed_optimizer_resume.py)
     "adam + EF, DP=2": (4, PP2_2BW + ["--delay-correction", "ef"]),
 }
 
