@@ -23,6 +23,7 @@ setup(
         "matplotlib>=3.8",
         "psutil>=5.9",  # Megatron dist_checkpointing writers
         "tensorboard>=2.14",  # Megatron's --tensorboard-dir
+        "xxhash>=3.1",  # checksums of checkpoint files (XXH3), megatron_lm/checkpoint/checksums.py
     ],
     extras_require={
         "test": [

@@ -155,6 +155,113 @@ def test_a_damaged_checkpoint_read_in_validation_is_named_and_the_advice_works(t
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
+def _marker(directory):
+    import json
+
+    return json.loads((directory / "megatron_async.json").read_text())
+
+
+def _flip_16_bytes(directory, mask=0x01):
+    """XOR 16 bytes in the middle of the output layer's exp_avg chunk (else the largest exp_avg
+    chunk), found through `.metadata`; the file keeps its size. Returns the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    chunks = [(index.fqn, info) for index, info in FileSystemReader(str(directory)).read_metadata().storage_data.items()
+              if "exp_avg" in index.fqn and "exp_avg_sq" not in index.fqn]
+    _, info = max(chunks, key=lambda c: ("output_layer" in c[0], c[1].length))
+    path = directory / info.relative_path
+    data = bytearray(path.read_bytes())
+    middle = info.offset + info.length // 2
+    data[middle:middle + 16] = bytes(b ^ mask for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_every_file_of_a_saved_checkpoint_has_the_checksum_of_the_rank_that_wrote_it(tied_checkpoint, tmp_path):
+    """Read from the fixture's files alone: every file but the marker is recorded, each .distcp
+    by the rank its name gives, and checked at load by that rank; a flipped one is found there."""
+    import re
+    import shutil
+
+    from megatron_async.megatron_lm.checkpoint.checksums import problems
+
+    for iteration in ("iter_0000004", "iter_0000008"):
+        directory = tied_checkpoint / iteration
+        recorded = _marker(directory)["checksums"]
+        on_disk = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
+        assert set(recorded["files"]) == on_disk - {"megatron_async.json"}, recorded["files"].keys()
+        for name, entry in recorded["files"].items():
+            writer = re.search(r"__(\d+)_\d+\.distcp$", name)
+            assert entry["rank"] == (int(writer.group(1)) if writer else 0), (name, entry)
+        assert {e["rank"] for e in recorded["files"].values()} == {0, 1}
+        assert problems(str(directory), recorded, 0, 2) == problems(str(directory), recorded, 1, 2) == []
+    copy = tmp_path / "iter_0000008"
+    shutil.copytree(tied_checkpoint / "iter_0000008", copy)
+    flipped = _flip_16_bytes(copy)
+    writer = int(re.search(r"__(\d+)_", flipped.name).group(1))
+    recorded = _marker(copy)["checksums"]
+    found = problems(str(copy), recorded, writer, 2)
+    assert len(found) == 1 and found[0].startswith(f"{flipped} (its xxh3_64 checksum differs"), found
+    assert problems(str(copy), recorded, 1 - writer, 2) == []  # the other rank does not read it
+    assert len(problems(str(copy), recorded, 0, 1)) == 1  # one rank checks every file
+
+
+def test_flipped_bytes_in_a_shard_are_refused_before_training_naming_the_file(tmp_path, tied_checkpoint,
+                                                                               monkeypatch):
+    """16 bytes of an exp_avg XOR-ed, the file's size unchanged: Megatron's load reads it without a
+    word, so the resume trains (the negative control is the opt-out's run below). Refused on every
+    rank with the file and the previous complete checkpoint, whose advice then resumes, verified."""
+    import shutil
+
+    import test_megatron_loop as loop
+
+    monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tied_checkpoint, ckpt)
+    flipped = _flip_16_bytes(ckpt / "iter_0000008")
+    longer = ["--train-iters", "12", "--override-opt_param-scheduler"]
+    proc, _ = _run(tmp_path, "flipped", 2, TORCH_DIST + ["--load", str(ckpt)] + longer)
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("megatron-async: error:") and "cannot be loaded" in x]
+    assert {x[-len("(rank 0)"):] for x in lines} == {"(rank 0)", "(rank 1)"}, proc.stdout[-4000:]
+    assert f"damaged: {flipped} (its xxh3_64 checksum differs" in lines[0], lines[0]
+    assert "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in lines[0], lines[0]
+    assert " iteration        9/" not in proc.stdout
+    # the advice as given: iteration 8 moved out of --save, resume from 4 into it
+    shutil.move(ckpt / "iter_0000008", tmp_path / "damaged_iter_0000008")
+    proc, _ = _run(tmp_path, "advice", 2, TORCH_DIST + ["--load", str(ckpt), "--save", str(ckpt), "--save-interval",
+                                                        "4", "--ckpt-step", "4", "--train-iters", "8"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert f"files of {ckpt / 'iter_0000004'} (" in proc.stdout and "match their checksums" in proc.stdout
+
+
+def test_the_opt_out_takes_no_checksums_and_a_checkpoint_without_them_loads_saying_so(tmp_path, tied_checkpoint,
+                                                                                       monkeypatch):
+    """--no-checkpoint-checksums: the flipped checkpoint loads unverified and trains (what every
+    resume did without checksums), and its save records none; a checkpoint without checksums
+    (this one, or one of an older megatron-async) loads, saying so."""
+    import shutil
+
+    import test_megatron_loop as loop
+
+    monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tied_checkpoint, ckpt)
+    _flip_16_bytes(ckpt / "iter_0000008")
+    proc, metrics = _run(tmp_path, "opted_out", 2, TORCH_DIST + [
+        "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4", "--train-iters", "12",
+        "--override-opt_param-scheduler", "--no-checkpoint-checksums"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert f"--no-checkpoint-checksums: the files of {ckpt / 'iter_0000008'} are loaded unverified" in proc.stdout
+    assert " iteration       12/" in proc.stdout
+    held = _marker(ckpt / "iter_0000012")
+    assert held["weight_stash"] and "checksums" not in held, held
+    proc, _ = _run(tmp_path, "unverified", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    said = [x for x in proc.stdout.splitlines() if "holds no checksums of its files" in x]
+    assert len(said) == 1 and str(ckpt / "iter_0000012") in said[0], proc.stdout[-4000:]
+
+
 def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4",

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "pending point-to-point sends (no collective)")
     g.add_argument("--plot", default=None, metavar="PNG",
                    help="with --metrics-json: train and validation loss, drawn when training ends")
+    g.add_argument("--no-checkpoint-checksums", action="store_true",
+                   help="neither take checksums of a torch_dist checkpoint's files at save (each rank hashes "
+                        "the files it wrote) nor check them at load, where a changed file is refused")
     _escape_percent_in_help(parser)
     _mark_defaults_2bw_replaces(parser)
     _exit_signal_by_name_or_number(parser)

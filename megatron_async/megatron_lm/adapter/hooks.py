@@ -270,6 +270,36 @@ def _save_checkpoint(original):
     return hooked
 
 
+def _dist_checkpointing_save(original):
+    """torch_dist, a delayed run's save: once Megatron's save returned on every rank (this rank's
+    files are whole), each rank hashes the files it wrote and rank 0 adds the checksums to the
+    marker written when Megatron names its tracker (checkpoint/checksums.py)."""
+
+    @functools.wraps(original)
+    def hooked(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        delayed = plugin_run.delayed()
+        due = delayed.marker_due if delayed is not None else None
+        if due is None or result is not None:  # nothing of ours, or an asynchronous save still writing
+            return result
+        import os
+
+        from megatron.training import get_args
+
+        from megatron_async.megatron_lm.checkpoint import checksums
+        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir as directory_of
+
+        if get_args().no_checkpoint_checksums or (
+                os.path.realpath(checkpoint_dir) != os.path.realpath(directory_of(due[0], due[1]))):
+            return result
+        recorded = checksums.gather(checkpoint_dir)
+        if recorded is not None:  # rank 0
+            delayed.marker_due = (due[0], due[1], {**due[2], checksums.KEY: recorded})
+        return result
+
+    return hooked
+
+
 def _checkpoint_tracker_filename(original):
     """Rank 0 names the tracker file once every rank has saved, right before writing it: a
     pending torch_dist marker is written there, so no tracker ever names a 2bw checkpoint
@@ -300,6 +330,12 @@ def _load_checkpoint(original):
 
     @functools.wraps(original)
     def hooked(*args, **kwargs):
+        if kwargs.get("load_arg", args[3] if len(args) > 3 else "load") == "load":
+            from megatron.training import get_args
+
+            from megatron_async.megatron_lm.safety.checksum_guard import verify_before_load
+
+            verify_before_load(get_args())  # files changed since the save: refused before Megatron reads them
         try:
             return original(*args, **kwargs)
         except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is one
@@ -528,6 +564,9 @@ HOOKS = (
          _save_checkpoint),
     Hook("megatron.training.checkpointing", "get_rng_state", "checkpointing.py:645 save_checkpoint",
          _get_rng_state),
+    Hook("megatron.core.dist_checkpointing", "save",
+         "checkpointing.py:827 save_checkpoint (torch_dist; before every rank's barrier and rank 0's tracker)",
+         _dist_checkpointing_save),
     Hook("megatron.training.checkpointing", "get_checkpoint_tracker_filename",
          "checkpointing.py:960 save_checkpoint (rank 0, after every rank saved, before the tracker is written)",
          _checkpoint_tracker_filename),
