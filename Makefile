@@ -35,9 +35,13 @@ $(STAMP): setup.py constraints.txt
 QUICK_TESTS := tests/test_layout.py tests/test_packaging.py tests/test_schedule_validator.py tests/test_simulator.py \
 	tests/test_tied_timing.py tests/test_cpu_emulation.py tests/test_megatron_on_cpu.py
 
+# Each pytest run fails if a process it started is still running once it has exited
+# (a forkserver, a rank, a checkpoint writer), naming and ending it: tests/support/no_process_left.py.
+NO_PROCESS_LEFT := $(PY) tests/support/no_process_left.py
+
 test: setup
-	$(PY) -m pytest -q -x $(QUICK_TESTS) $(PYTEST_ARGS)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu \
+	$(NO_PROCESS_LEFT) $(PY) -m pytest -q -x $(QUICK_TESTS) $(PYTEST_ARGS)
+	$(NO_PROCESS_LEFT) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope tests --ignore=tests/gpu \
 		--ignore=tests/cluster --ignore=tests/gpu_ranks $(addprefix --ignore=,$(QUICK_TESTS)) $(PYTEST_ARGS)
 
 # A real two-node Slurm on this machine (root; Debian's slurm-wlm, munge, iproute2) and the image

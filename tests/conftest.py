@@ -1,4 +1,4 @@
-"""Shared fixtures: a small real-English corpus, prepared once per test session."""
+"""Shared fixtures: a small real-English corpus, prepared once per test session; the ranks' forkserver ends with it."""
 
 import inspect
 
@@ -18,6 +18,15 @@ def module_text(name: str) -> str:
         if not attr.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)):
             parts.append(f"{attr}\n{inspect.getdoc(obj) or ''}")
     return "\n\n".join(p for p in parts if p.strip())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """End the forkserver this pytest process started for its ranks (the quick run's, each
+    xdist worker's): left to itself it outlives pytest by seconds, holding about 1 GB
+    (tests/support/forkserver_stop.py). Runs after the session's fixtures are torn down."""
+    from tests.support.forkserver_stop import stop_forkserver
+
+    stop_forkserver()
 
 
 @pytest.fixture(scope="session", autouse=True)
