@@ -41,9 +41,10 @@ RTOL = 1e-6
 TIMEOUT_S = 300
 
 
-def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None, model=MODEL):
+def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None, model=None):
+    """`model`: the model flags, MODEL by default (read at call time: tests patch MODEL)."""
     metrics = tmp_path / f"{name}.jsonl"
-    proc = warm_run(module, ["--gpt", *CPU, *model, *TRAIN, "--metrics-json", str(metrics), *extra], nproc,
+    proc = warm_run(module, ["--gpt", *CPU, *(MODEL if model is None else model), *TRAIN, "--metrics-json", str(metrics), *extra], nproc,
                     TIMEOUT_S, env=env)
     return proc, metrics
 
@@ -84,7 +85,13 @@ def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
 BF16_RTOL = 1e-4
 DP2_CASES = {"adam, untied": ("untied", [], RTOL), "adam+ef, tied": ("tied", ["--delay-correction", "ef"], RTOL),
              "muon+ef layer-wise, bf16, untied": ("untied", ["--optimizer", "muon", "--delay-correction", "ef",
-                                                            "--bf16"], BF16_RTOL)}
+                                                            "--bf16"], BF16_RTOL),
+             # the public recipes' parallelism and overlap flags that run on 4 CPU ranks (docs/megatron_lm.md,
+             # 'Public recipes under 2bw'): expert parallelism with the all-to-all dispatcher, gradients reduced in bf16
+             "the recipes' union: moe ep2, bf16 reduce, untied": ("untied", [
+                 "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+                 "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear", "--expert-model-parallel-size", "2",
+                 "--bf16", "--grad-reduce-in-bf16"], BF16_RTOL)}
 
 
 @pytest.mark.parametrize("case", list(DP2_CASES))
