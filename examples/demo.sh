@@ -75,14 +75,15 @@ train_args=(
 # machine without CUDA the launcher adds the CPU flags (--transformer-impl local, gloo, ...).
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_async.launch "$ENTRY" "${train_args[@]}" \
   > "$OUT/train.log" 2>&1 || { tail -n 40 "$OUT/train.log"; exit 1; }
-# Megatron's progress lines, shortened to iteration, time, loss and grad norm
+# Megatron's progress lines, shortened to iteration, time, loss and grad norm; what is printed
+# from here on is also kept in $OUT/summary.txt (README's sample output is its end)
 awk -F' [|] ' '/ iteration +[0-9]+\/|validation loss at/ {
   line = ""; for (i = 1; i <= NF; i++) if ($i ~ /^ *(\[[^]]*\] *)?iteration +[0-9]|elapsed|lm loss|grad norm|validation loss/) {
     sub(/^ *\[[^]]*\] */, "", $i); line = line (line ? " | " : "") $i }
-  print line }' "$OUT/train.log"
+  print line }' "$OUT/train.log" | tee "$OUT/summary.txt"
 
 # A model that learned nothing predicts uniformly: loss ln(vocab) = ln(4096) = 8.32.
-"$PYTHON" - "$OUT/metrics.jsonl" "$DATA/stats.json" "$SECONDS" <<'EOF'
+"$PYTHON" - "$OUT/metrics.jsonl" "$DATA/stats.json" "$SECONDS" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, math, sys
 
 metrics, stats, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3])
