@@ -34,6 +34,16 @@ def test_patch_applies_and_importing_megatron_training_installs_the_hooks(tmp_pa
         "from megatron_async.megatron_lm.adapter import hooks\n"
         "assert hooks._INSTALLED, 'hooks not installed'\n"
         "assert t.get_forward_backward_func.__wrapped__\n"
+        # the hooks only: the CPU emulation stays off, so without CUDA Megatron stops at start-up (PATCH_ROUTE_NEEDS)
+        "from megatron_async import cpu; import torch\n"
+        "assert not cpu.is_active(), 'the patched import turned the CPU emulation on'\n"
+        "if not torch.cuda.is_available():\n"
+        "    try:\n"
+        "        t.initialize_megatron()\n"
+        "    except AssertionError as error:\n"
+        "        assert str(error) == 'Megatron requires CUDA.', error\n"
+        "    else:\n"
+        "        raise AssertionError('initialize_megatron started without CUDA or the emulation')\n"
         "import sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
         "from megatron.training.arguments import parse_args\n"
         "parse_args()\n"
@@ -41,6 +51,23 @@ def test_patch_applies_and_importing_megatron_training_installs_the_hooks(tmp_pa
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--pipeline-schedule" in out.stdout and "megatron-async" in out.stdout
+
+
+# What the documents say of the patch route on a machine without CUDA, where they describe it
+PATCH_ROUTE_NEEDS = {"docs/megatron_lm.md": "2. **`patches/`**", "patches/README.md": "# Patches for Megatron-LM"}
+
+
+def test_the_documents_say_the_patch_route_needs_cuda_or_the_launcher():
+    """Where docs/megatron_lm.md and patches/README.md describe the patch route, they say
+    that it needs CUDA (the probe above: the patched import leaves the emulation off) and
+    that the launcher runs the same script on a CPU."""
+    repo = PATCH.parent.parent
+    for document, start in PATCH_ROUTE_NEEDS.items():
+        text = (repo / document).read_text()
+        assert start in text, document
+        route = " ".join(text.split(start, 1)[1].split("\n3. ", 1)[0].split())  # to the next way in
+        assert "This route needs a CUDA GPU" in route and '"Megatron requires CUDA."' in route, document
+        assert "through the launcher" in route and "turns the emulation on" in route, document
 
 
 def test_unpatched_megatron_has_no_hooks(tmp_path):
