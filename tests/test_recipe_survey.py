@@ -77,6 +77,16 @@ def test_every_flag_this_machine_refuses_is_listed_with_why(survey):
     assert all(entry["why"] for entry in LISTS["refused_on_this_machine"].values())
 
 
+def test_no_flag_this_machine_refuses_is_one_2bw_refuses_on_a_gpu():
+    """The docs say these are this machine's alone: none is in the plugin's lists of flags
+    refused under 2bw, which apply on a GPU too."""
+    from megatron_async.megatron_lm.adapter.flags import REFUSED_UNDER_2BW, SILENTLY_WRONG_UNDER_2BW
+
+    refused_by_2bw = {flag for _, _, flag, _ in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW}
+    assert refused_by_2bw >= {"--fp16", "--use-megatron-fsdp", "--fp8-param-gather"}  # the lists are the ones meant
+    assert not refused_by_2bw & set(LISTS["refused_on_this_machine"])
+
+
 def test_each_justification_is_a_row_of_the_refusal_table():
     rows = {cells[0] for cells in _section_rows("## What is refused under 2bw, and why")}
     missing = {flag: entry["row"] for flag, entry in LISTS["refused_by_2bw"].items() if entry["row"] not in rows}
