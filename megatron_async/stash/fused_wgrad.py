@@ -38,8 +38,7 @@ def _fuses(node) -> bool:
 def fused_weights(outputs, params: dict) -> list[torch.nn.Parameter]:
     """The GEMM weights (matrices of `params`: id -> Parameter, with DDP's flag) that a
     node declaring fusion takes, in the autograd graph behind `outputs` (a tensor or
-    tensors). A fused node's vectors (bias, a fused norm's weight) get real gradients;
-    were a matrix ever to get one too, adding it into the broadcast dummy raises."""
+    tensors). A fused node's vectors (bias, a fused norm's weight) get real gradients."""
     if isinstance(outputs, torch.Tensor):
         outputs = [outputs]
     stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -63,10 +62,20 @@ def fused_weights(outputs, params: dict) -> list[torch.nn.Parameter]:
     return list(found.values())
 
 
+def _empty_sparse(param: torch.nn.Parameter) -> torch.Tensor:
+    indices = torch.empty((param.dim(), 0), dtype=torch.long, device=param.device)
+    values = torch.empty((0,), dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
+
+
 def give_dummy_grads(weights) -> None:
     """What a fused layer does to the Parameter it sees: flag its gradient as added to
-    `main_grad` and give DDP a dummy (zeros, one element broadcast) to drop."""
+    `main_grad` and give DDP a dummy to drop. The dummy is an empty sparse tensor: it costs
+    no memory, and a real gradient the same weight also gets in this backward (multi-token
+    prediction's embedding on the last stage is the output weight) lands beside it as
+    autograd adds a dense gradient to a sparse one, then is dropped with it by DDP, as
+    Megatron's own dummy makes DDP drop it without the hooks."""
     for param in weights:
         param.grad_added_to_main_grad = True
         if param.grad is None:
-            param.grad = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+            param.grad = _empty_sparse(param)
