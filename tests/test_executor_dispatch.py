@@ -56,3 +56,42 @@ def test_an_action_on_a_chunk_the_stage_does_not_hold_stops_it(name, monkeypatch
     with pytest.raises(ScheduleError, match=r"runs model chunk 1, but this stage holds one chunk"):
         e.train_step(0)
     assert all(getattr(a, "chunk", 0) == 0 for a in ran)
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_an_evaluation_leaves_the_model_in_train_mode_however_it_ends(fails, monkeypatch):
+    """Evaluation is a forward-only list run by an executor (forward_only=True); train mode
+    comes back when it raises too. Control: a pass that ends normally returns its reports."""
+    import torch
+
+    from megatron_async.pipeline import two_bw
+    from megatron_async.pipeline.p2p import StageLinks
+    from megatron_async.schedules.actions import Forward
+
+    seen = {}
+
+    class FakeExecutor:
+        def __init__(self, model, actions, links, stash, *args, forward_only=False, **kwargs):
+            self.model = model
+            seen.update(actions=list(actions), forward_only=forward_only)
+
+        def run_forward_only(self):
+            seen["training"] = self.model.training
+            if fails:
+                raise RuntimeError("a forward failed")
+            return ["report"]
+
+    monkeypatch.setattr(two_bw, "StageExecutor", FakeExecutor)
+    runner = object.__new__(two_bw.TwoBWRunner)
+    runner.model = torch.nn.Linear(2, 2)
+    runner.stash = type("Stash", (), {"newest": 3})()
+    runner.eval_links = StageLinks(0, 1, None, None, None)
+    runner.shape, runner.dtype, runner.device, runner.forward_step_func = None, None, None, None
+    runner.drain = lambda: None
+    if fails:
+        with pytest.raises(RuntimeError, match="a forward failed"):
+            runner.evaluate_iterators([iter([1]), iter([2])])
+    else:
+        assert runner.evaluate_iterators([iter([1]), iter([2])]) == ["report"]
+    assert runner.model.training and not seen["training"] and seen["forward_only"]
+    assert seen["actions"] == [Forward(0, 3), Forward(1, 3)]

@@ -59,6 +59,7 @@ class StageExecutor:
         prev_segment: Optional[Callable[[int], list]] = None,
         final_step: Optional[int] = None,
         first_step: int = 0,
+        forward_only: bool = False,
     ):
         """`actions`: this stage's list, consumed as it runs (a lazy stream for long runs).
         `prev_segment(t)`: the previous stage's actions up to its OptimizerStep(t) (None on
@@ -70,6 +71,7 @@ class StageExecutor:
         self.final_step = final_step
         self.last_step: Optional[int] = None  # the last OptimizerStep run
         self.first_step = first_step  # the first OptimizerStep of this run (a resumed run starts later)
+        self.forward_only = forward_only  # an evaluation pass: no backward follows, no activation is kept
         self.forwards = 0
         self.links = links
         self.stash = stash
@@ -116,7 +118,7 @@ class StageExecutor:
         # guard fires at once. By the microbatch's index, not this process's first forward:
         # a resumed run then hooks exactly the forwards the uninterrupted run hooked (with
         # tied embeddings and MTP a hooked forward's backward rounds differently).
-        hooks = k // self.m > self._next_step() or k == 0
+        hooks = not self.forward_only and (k // self.m > self._next_step() or k == 0)
         with self.stash.use(action.version, hooks=hooks):
             output, _ = schedules.forward_step(
                 self.forward_step_func, self.data_for(k), self.model, self.m, input_tensor, reports, self.config,
@@ -128,7 +130,8 @@ class StageExecutor:
             self._outgoing[("act", k)] = output.detach()
             # keeps only the autograd graph; the sent copy's storage lives until its send retires
             schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
-        self._inflight[k] = (input_tensor, output)
+        if not self.forward_only:
+            self._inflight[k] = (input_tensor, output)
 
     def _backward(self, action: Backward) -> None:
         k = action.microbatch
@@ -247,6 +250,13 @@ class StageExecutor:
             got, _ = post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
             self._received.update(got)
             self._drained.update(a.microbatch for a in missing)
+
+    def run_forward_only(self) -> list:
+        """Run a forward-only list to its end and wait for its sends; the loss reports
+        (last stage) of its microbatches, in order."""
+        self._run_until(None)
+        self.drain()
+        return [report for batch in sorted(self._reports) for report in self._reports[batch]]
 
     def drain(self) -> None:
         """Match every send still outstanding, between two training steps.

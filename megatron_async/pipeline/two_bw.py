@@ -25,6 +25,7 @@ from megatron_async.pipeline.p2p import duplicate_pipeline_group, first_last_gro
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
 from megatron_async.pipeline.tied_embeddings import link_for, ties_across_stages
 from megatron_async.pipeline.weight_caches import disable_first_microbatch_caches
+from megatron_async.schedules.gen_forward_only import forward_only
 from megatron_async.schedules.stream_2bw import TwoBWStream
 from megatron_async.stash.weight_stash import WeightStashManager
 
@@ -144,37 +145,27 @@ class TwoBWRunner:
 
     @torch.no_grad()
     def evaluate_iterators(self, iterators: Iterable[Iterator]) -> list:
-        """Forward-only pass, one microbatch per iterator handed to the forward step.
-
-        Uses its own process group, so it can run between two training steps while
-        training activations are still in flight; the training sends outstanding are
-        matched first, so none stays unmatched over the evaluation.
-        """
-        from megatron.core.utils import get_attr_wrapped_model
-
+        """Forward-only pass at the newest weights, one microbatch per iterator handed to the
+        forward step: a forward-only list (schedules/gen_forward_only.py) run by an executor
+        through Megatron's forward step, on links of its own, so it can run between two
+        training steps while training activations are still in flight; the training sends
+        outstanding are matched first, so none stays unmatched over the evaluation. Train
+        mode comes back however the pass ends."""
         self.drain()
+        data = list(iterators)
+        if not data:
+            return []
         links = self.eval_links
-        first, last = links.stage == 0, links.stage == links.num_stages - 1
-        set_input = get_attr_wrapped_model(self.model, "set_input_tensor")
-        self.stash.point_to(self.stash.newest)
+        actions = forward_only(links.num_stages, len(data), self.stash.newest)[links.stage]
+        evaluation = StageExecutor(
+            self.model, actions, links, self.stash, self.forward_step_func, data.__getitem__,
+            step_func=None, num_microbatches=len(data), activation_shape=self.shape, dtype=self.dtype,
+            device=self.device, forward_only=True)
         self.model.eval()
-        reports, sends = [], []
-        for data in iterators:
-            input_tensor = None
-            if not first:
-                input_tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                torch.distributed.recv(input_tensor, links.prev_rank, group=links.group)
-            set_input(input_tensor)
-            output, loss_func = self.forward_step_func(data, self.model)
-            if last:
-                reports.append(loss_func(output)[2])
-            else:
-                out = output.contiguous()
-                sends.append((torch.distributed.isend(out, links.next_rank, group=links.group), out))
-        for work, _ in sends:
-            work.wait()
-        self.model.train()
-        return reports
+        try:
+            return evaluation.run_forward_only()
+        finally:
+            self.model.train()
 
     def abandon(self, timeout_s: float) -> int:
         """Training stopped by an exception: wait (bounded, a neighbour may be gone) for
