@@ -15,7 +15,15 @@ waits from the same action lists the runtime uses. This module supplies the cost
   traffic (Adam) and Muon's Newton-Schulz FLOPs, spread over the data-parallel
   ranks by the layer-wise distributed optimizer;
 - 1F1B's global gradient-norm all-reduce across stages at each step (2BW clips per
-  stage and has none).
+  stage and has none);
+- the host: a layer's pass takes the longer of its GPU time and the time the host needs
+  to issue its operators (the operators a layer dispatches, counted by
+  bench/throughput/host_time.py, at a stated host time each), unless CUDA graphs replay it.
+
+The overlaps 2BW refuses are priced against 2BW without them (`overlap_rows`, `--overlaps`):
+Megatron's interleaved 1F1B with the EP all-to-all overlap of its combined forward-backward
+step (`--overlap-moe-expert-parallel-comm`, which Megatron runs only with virtual stages at
+PP > 1), and 1F1B and interleaved 1F1B with CUDA graphs (`--cuda-graph-impl`).
 
 Validation on CPU: `predict_cpu` turns per-stage costs measured on this machine
 (bench/throughput/stage_costs.py) into the s / microbatch of each configuration of
@@ -25,6 +33,10 @@ bench/throughput/pipeline_throughput.py, which reports both side by side.
 
 prints the projection for the 10B MoE (examples/moe_10b/flags.sh) on 8-GPU H100
 nodes at PP = 4, 8, 16 and m = p, 2p, 4p; every assumption is in ASSUMPTIONS.
+
+    .venv/bin/python -m bench.throughput.project --overlaps [--model smollm-360m] [--host-us-per-op 30]
+
+prints the overlaps' table instead (each schedule at its faster split).
 """
 
 from __future__ import annotations
@@ -74,8 +86,27 @@ SMOLLM_360M = Model(layers=32, hidden=960, heads=15, kv_heads=5, seq=2048, vocab
 LAYOUTS = {"moe-10b": (MOE_10B, (4, 8, 16), 8, 1, 64), "smollm-360m": (SMOLLM_360M, (4, 8), 2, 8, 16)}
 
 
+# aten operators one layer's forward and backward dispatch in Megatron-Core's local layers,
+# counted by bench/throughput/host_time.py (docs/benchmarks.md): (forward, backward)
+LAYER_OPERATORS = {"moe": (261, 350), "dense": (104, 139)}
+HOST_S_PER_OP = 5e-6  # stated: see ASSUMPTIONS["host"]
+
 ASSUMPTIONS = {
     **HARDWARE_ASSUMPTIONS,
+    "host": "a layer's pass takes max(GPU time, operators x host time per operator) without CUDA graphs, "
+            "its GPU time with them (graphs remove all host time: favours the schedules with graphs); "
+            "operators a layer dispatches: Megatron's local layers, counted by bench/throughput/host_time.py "
+            "(261 forward, 350 backward for the MoE layer, 104 and 139 for the dense one; Transformer "
+            "Engine's fused layers dispatch fewer); host time per operator: 5 us, stated (a bare PyTorch "
+            "operator takes 4 us of host time on this project's CPU, bench/throughput/host_time.py; a CUDA "
+            "launch and Megatron's Python around it add to it), --host-us-per-op changes it",
+    "ep_overlap": "Megatron's combined forward-backward step hides a layer's all-to-all (dispatch and combine) "
+                  "behind the compute of the other microbatch's pass wherever a forward and a backward run "
+                  "paired, as far as that compute lasts: in interleaved 1F1B all passes but each rank's warm-up "
+                  "forwards and cool-down backwards, (p - rank - 1) x 2 + (v - 1) x p of them (Megatron's "
+                  "get_num_warmup_microbatches); the overlap itself is free (SM sharing and "
+                  "--delay-wgrad-compute's split left out: favours the overlapped schedule); Megatron-Core 0.19.2 "
+                  "runs it only with virtual stages at PP > 1 (TransformerConfig), so plain 1F1B has none",
     "layout": "DP=8 per stage on one node (EP=8 over it, TP=1), stages on different nodes: "
               "pipeline p2p crosses InfiniBand, DP and EP traffic stays on NVLink",
     "flops": "forward 2 FLOPs per multiply-add of every GEMM (QKV, attention scores and values with a "
@@ -131,10 +162,13 @@ class StageCosts:
 
 
 def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8, mbs: int = 1,
-              optimizer: str = "muon", counts=None, m: int = 0) -> StageCosts:
+              optimizer: str = "muon", counts=None, m: int = 0, host_s_per_op: float = HOST_S_PER_OP,
+              graphs: bool = False, paired=None) -> StageCosts:
     """Per-stage seconds of one microbatch's forward and backward and of one optimizer step,
     for the layers per stage `counts` (default: the best split for m microbatches a batch,
-    `balanced_counts`)."""
+    `balanced_counts`). A layer's pass takes the longer of its GPU time and its host time
+    (none with `graphs`); `paired` (per stage, the share of passes that run beside another
+    microbatch's pass, for the EP overlap) hides that share of the all-to-all."""
     tokens = mbs * model.seq
     rate = cluster.peak_flops * cluster.mfu
     act_bytes = 2 * tokens * model.hidden
@@ -142,8 +176,19 @@ def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8,
     if model.experts:  # dispatch + combine, (ep-1)/ep of the routed tokens leave the GPU
         routed = 2 * tokens * model.topk * model.hidden * (ep - 1) / ep
         a2a = 2 * (routed / cluster.nvlink_bytes_s + cluster.link_latency_s)
-    layer_f = layer_flops(model, tokens) / rate + a2a
-    layer_b = 2 * layer_flops(model, tokens) / rate + a2a
+    compute_f = layer_flops(model, tokens) / rate
+    compute_b = 2 * compute_f
+    ops_f, ops_b = LAYER_OPERATORS["moe" if model.experts else "dense"]
+    host_f, host_b = (0.0, 0.0) if graphs else (ops_f * host_s_per_op, ops_b * host_s_per_op)
+
+    def layer(share: float = 0.0) -> tuple[float, float]:
+        """A layer's forward and backward when `share` of them run paired: a forward's
+        all-to-all hides behind the paired backward's compute and the other way round."""
+        gpu_f = compute_f + a2a - share * min(a2a, compute_b)
+        gpu_b = compute_b + a2a - share * min(a2a, compute_f)
+        return max(gpu_f, host_f), max(gpu_b, host_b)
+
+    layer_f, layer_b = layer()
     head = 2 * tokens * model.hidden * model.vocab / rate
     dense, experts = layer_params(model)
     table = model.vocab * model.hidden
@@ -166,7 +211,8 @@ def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8,
                                  (step(0, 1) + link) / max(m, 1), 3 * head + (step(0, last_tables) + link) / max(m, 1))
     fwd, bwd, opt = [], [], []
     for s, n in enumerate(counts):
-        f, b = n * layer_f, n * layer_b
+        stage_f, stage_b = layer(paired[s]) if paired else (layer_f, layer_b)
+        f, b = n * stage_f, n * stage_b
         tables = (1 if s == 0 else 0) + (last_tables if s == pp - 1 else 0)
         if s == pp - 1:
             f, b = f + head, b + 2 * head
@@ -175,7 +221,9 @@ def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8,
         opt.append(step(n, tables) + (link if s in (0, pp - 1) else 0.0))
     p2p = act_bytes / cluster.ib_bytes_s + cluster.link_latency_s
     sync = 2 * math.log2(max(pp, 2)) * cluster.link_latency_s
-    return StageCosts(fwd, bwd, opt, p2p, sync, detail={"layers_per_stage": list(counts)})
+    return StageCosts(fwd, bwd, opt, p2p, sync, detail={
+        "layers_per_stage": list(counts), "a2a_per_layer_pass": a2a, "compute_per_layer": [compute_f, compute_b],
+        "host_per_layer": [host_f, host_b]})
 
 
 def balanced_counts(layers: int, pp: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
@@ -219,7 +267,8 @@ CONFIGURED_M = 64  # examples/moe_10b/flags.sh: global batch 512 / (micro-batch 
 
 
 def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: int = 1,
-            optimizer: str = "muon", configured_m: int = CONFIGURED_M) -> list[dict]:
+            optimizer: str = "muon", configured_m: int = CONFIGURED_M,
+            host_s_per_op: float = HOST_S_PER_OP) -> list[dict]:
     """Tokens/s per GPU and efficiency for each (schedule, p, m, layout), m = p, 2p, 4p and the
     configuration's own m: each schedule at Megatron's even split ("even", the extra layers
     in the middle) and at the planner's split for its costs ("balanced"; interleaved 1F1B
@@ -228,8 +277,9 @@ def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: in
     for pp in pps:
         for m in sorted({pp, 2 * pp, 4 * pp, configured_m}):
             layouts = {"even": gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer,
-                                         counts=split_layers(model.layers, pp)),
-                       "balanced": gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer, m=m)}
+                                         counts=split_layers(model.layers, pp), host_s_per_op=host_s_per_op),
+                       "balanced": gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer, m=m,
+                                             host_s_per_op=host_s_per_op)}
             for layout, costs in layouts.items():
                 ideal = (sum(costs.fwd) + sum(costs.bwd)) / pp  # perfectly balanced, no bubble, free step
                 for schedule in ("1f1b", "interleaved-1f1b", "2bw"):
@@ -242,6 +292,106 @@ def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: in
                     rows.append(dict(row, gpus=pp * dp, s_per_microbatch=t, tokens_per_s_per_gpu=mbs * model.seq / t / pp,
                                      efficiency=ideal / t))
     return rows
+
+
+# the overlaps 2BW refuses: schedule row name -> (Megatron's schedule, EP all-to-all overlap, CUDA graphs)
+OVERLAPPED = {
+    "1f1b+cuda-graphs": ("1f1b", False, True),
+    "interleaved-1f1b+cuda-graphs": ("interleaved-1f1b", False, True),
+    "interleaved-1f1b+ep-overlap": ("interleaved-1f1b", True, False),
+    "interleaved-1f1b+ep-overlap+cuda-graphs": ("interleaved-1f1b", True, True),
+}
+# the same overlaps under 2BW, which it does not implement: what would win back a lead it loses
+WIN_BACK = {
+    "2bw+ep-overlap": ("2bw", True, False),
+    "2bw+cuda-graphs": ("2bw", False, True),
+    "2bw+ep-overlap+cuda-graphs": ("2bw", True, True),
+}
+NO_EP_OVERLAP_WITHOUT_VIRTUAL_STAGES = ("Megatron-Core 0.19.2 runs --overlap-moe-expert-parallel-comm only with "
+                                        "virtual stages at PP > 1")
+
+
+def warmup_passes(pp: int, rank: int, m: int, chunks: int = 2) -> int:
+    """Forwards `rank` runs before its first backward in Megatron's interleaved 1F1B
+    (get_num_warmup_microbatches, a microbatch group of p), at most all of them; as many
+    backwards run alone at the end."""
+    return min(m * chunks, (pp - rank - 1) * 2 + (chunks - 1) * pp)
+
+
+def paired_shares(schedule: str, pp: int, m: int, chunks: int = 2) -> list[float]:
+    """Per rank, the share of its passes that a combined step would run beside another
+    microbatch's pass: in Megatron's interleaved 1F1B all but the warm-up forwards and
+    cool-down backwards; under 2BW, whose ranks alternate forwards and backwards across
+    batches without a flush, all of them once the pipeline has filled."""
+    if schedule == "2bw":
+        return [1.0] * pp
+    total = m * chunks
+    return [(total - warmup_passes(pp, rank, m, chunks)) / total for rank in range(pp)]
+
+
+def overlap_rows(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: int = 1,
+                 optimizer: str = "muon", configured_m: int = CONFIGURED_M,
+                 host_s_per_op: float = HOST_S_PER_OP) -> list[dict]:
+    """`project`'s rows, then for each of its Megatron rows the same schedule at the same
+    split with the overlaps 2BW refuses (OVERLAPPED; the EP overlap for MoE models only),
+    and for its 2BW rows the same overlaps under 2BW (WIN_BACK, `implemented` False):
+    tokens/s per GPU and `over_base`, the speed-up over the schedule without them."""
+    rows = project(model, cluster, pps=pps, dp=dp, mbs=mbs, optimizer=optimizer, configured_m=configured_m,
+                   host_s_per_op=host_s_per_op)
+    out = list(rows)
+    for base in rows:
+        variants = [(name, *how) for name, how in {**OVERLAPPED, **WIN_BACK}.items()
+                    if how[0] == base["schedule"] and (model.experts or not how[1])]
+        if model.experts and base["schedule"] == "1f1b":
+            out.append(dict(schedule="1f1b+ep-overlap", pp=base["pp"], m=base["m"], layout=base["layout"],
+                            layers_per_stage=base["layers_per_stage"], note=NO_EP_OVERLAP_WITHOUT_VIRTUAL_STAGES))
+        for name, schedule, ep_overlap, graphs in variants:
+            row = dict(schedule=name, base=schedule, pp=base["pp"], m=base["m"], layout=base["layout"],
+                       layers_per_stage=base["layers_per_stage"], implemented=name in OVERLAPPED)
+            if "efficiency" not in base:
+                out.append(dict(row, note=base["note"]))
+                continue
+            pp, m = base["pp"], base["m"]
+            costs = gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer,
+                              counts=base["layers_per_stage"], host_s_per_op=host_s_per_op, graphs=graphs,
+                              paired=paired_shares(schedule, pp, m) if ep_overlap else None)
+            t = simulate_config(schedule, pp, m, costs)
+            out.append(dict(row, gpus=pp * dp, s_per_microbatch=t, tokens_per_s_per_gpu=mbs * model.seq / t / pp,
+                            over_base=base["s_per_microbatch"] / t))
+    return out
+
+
+def fastest(rows: list[dict], schedule: str, pp: int, m: int) -> dict | None:
+    """The schedule's row at (p, m) at its faster split, None if it has no timed row there."""
+    timed = [r for r in rows if (r["schedule"], r["pp"], r["m"]) == (schedule, pp, m) and "tokens_per_s_per_gpu" in r]
+    return max(timed, key=lambda r: r["tokens_per_s_per_gpu"]) if timed else None
+
+
+def overlap_report(rows: list[dict]) -> str:
+    """2BW without the overlaps it refuses against Megatron's schedules with them, each at
+    its faster split (tokens/s per GPU), 2BW over the fastest of them, and where that is
+    below 1, the first of the same overlaps under 2BW (not implemented) that wins it back."""
+    moe = any(r["schedule"].startswith("interleaved-1f1b+ep-overlap") for r in rows)
+    names = ["1f1b", "1f1b+cuda-graphs", "interleaved-1f1b", "interleaved-1f1b+cuda-graphs"]
+    names += ["interleaved-1f1b+ep-overlap", "interleaved-1f1b+ep-overlap+cuda-graphs"] if moe else []
+    back = [name for name, how in WIN_BACK.items() if moe or not how[1]]
+    lines = ["| p | m | 2bw | " + " | ".join(names) + " | 2bw / the fastest | the fastest | what wins it back "
+             "(not implemented) |", "| --- " * (len(names) + 6) + "|"]
+    for pp, m in sorted({(r["pp"], r["m"]) for r in rows}):
+        two = fastest(rows, "2bw", pp, m)
+        found = {name: fastest(rows, name, pp, m) for name in names}
+        best = max((r for r in found.values() if r), key=lambda r: r["tokens_per_s_per_gpu"])
+        lead = two["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+        wins = ""
+        if lead < 1:
+            win = next((fastest(rows, name, pp, m) for name in back
+                        if fastest(rows, name, pp, m)["tokens_per_s_per_gpu"] >= best["tokens_per_s_per_gpu"]), None)
+            wins = (f"{win['schedule']}: {win['tokens_per_s_per_gpu'] / best['tokens_per_s_per_gpu']:.2f}x"
+                    if win else "none of them")
+        cells = [f"{r['tokens_per_s_per_gpu']:.0f}" if r else "n/a" for r in found.values()]
+        lines.append(f"| {pp} | {m} | {two['tokens_per_s_per_gpu']:.0f} | " + " | ".join(cells) +
+                     f" | {lead:.2f}x | {best['schedule']} | {wins} |")
+    return "\n".join(lines)
 
 
 def zbv_region(fwd: float, bwd: float, opt: float, p2p: float, split_overhead: float,
@@ -330,6 +480,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--optimizer", choices=("muon", "adam"), default="muon")
     ap.add_argument("--model", choices=tuple(LAYOUTS), default="moe-10b",
                     help="moe-10b: examples/moe_10b, DP=8 a stage; smollm-360m: examples/smollm_360m, DP=2 a stage")
+    ap.add_argument("--host-us-per-op", type=float, default=HOST_S_PER_OP * 1e6,
+                    help="host time per operator a layer dispatches, in microseconds (ASSUMPTIONS['host'])")
+    ap.add_argument("--overlaps", action="store_true",
+                    help="the overlaps 2BW refuses, priced: Megatron's schedules with them against 2BW without")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--region", metavar="THROUGHPUT_JSON",
@@ -348,10 +502,13 @@ def main(argv=None) -> dict:
         return result
     cluster = Cluster(**{**asdict(H100), "mfu": args.mfu})
     model, pps, dp, mbs, configured_m = LAYOUTS[args.model]
-    rows = project(model, cluster, pps=pps, dp=dp, mbs=mbs, optimizer=args.optimizer, configured_m=configured_m)
+    how = overlap_rows if args.overlaps else project
+    rows = how(model, cluster, pps=pps, dp=dp, mbs=mbs, optimizer=args.optimizer, configured_m=configured_m,
+               host_s_per_op=args.host_us_per_op * 1e-6)
     result = {"model": asdict(model), "cluster": asdict(cluster), "assumptions": ASSUMPTIONS,
-              "optimizer": args.optimizer, "layout": {"dp": dp, "micro_batch": mbs}, "rows": rows}
-    print(report(rows))
+              "optimizer": args.optimizer, "layout": {"dp": dp, "micro_batch": mbs},
+              "host_s_per_op": args.host_us_per_op * 1e-6, "rows": rows}
+    print(overlap_report(rows) if args.overlaps else report(rows))
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         print("wrote", plot(rows, args.plot))
