@@ -361,7 +361,7 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
 def test_a_resume_that_will_train_nothing_says_so(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from megatron_async.megatron_lm.adapter.flags import _say_when_nothing_will_train
+    from megatron_async.megatron_lm.safety.resume_checks import _say_when_nothing_will_train
 
     root = _checkpoints(tmp_path / "ckpt", [8], tracker=8)
     for iters, said in ((8, True), (4, True), (12, False)):

@@ -105,7 +105,7 @@ def test_megatrons_loop_refuses_mismatched_tokenizer_before_any_process_group(sm
 
 @pytest.mark.parametrize("flag", ["--data-path", "--train-data-path"])
 def test_a_refusal_names_the_flag_the_data_came_from(small_corpus, vocab300, flag):
-    """Megatron's argument check (flags._check_data) with a blend given by --data-path names
+    """Megatron's argument check (data/flag_checks.py) with a blend given by --data-path names
     --data-path, not --train-data-path."""
     from types import SimpleNamespace
 

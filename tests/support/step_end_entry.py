@@ -207,9 +207,9 @@ if __name__ == "__main__":
     if os.environ.get("MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0") == "1":
         _empty_cache_on_stage0()
     if os.environ.get("MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME") == "1":
-        from megatron_async.megatron_lm.adapter import flags
+        from megatron_async.megatron_lm.safety import resume_checks
 
-        flags._check_marker_present = lambda args, held: None
+        resume_checks._check_marker_present = lambda args, held: None
     if os.environ.get("MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE"):
         _exit_after_save(int(os.environ["MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE"]))
     if os.environ.get("MEGATRON_ASYNC_TEST_QUICK_SNIFF") == "1":
