@@ -75,6 +75,8 @@ CASES = {
     "straggler detector": (2, BASE + TWO_BW + ["--log-straggler"], "--log-straggler"),
     "batch-size ramp-up": (2, _without(BASE, "--global-batch-size") + TWO_BW + [
         "--global-batch-size", "16", "--rampup-batch-size", "8", "8", "100"], "--rampup-batch-size"),
+    "step batch-size schedule": (2, _without(BASE, "--global-batch-size") + TWO_BW + [
+        "--step-batch-size-schedule", "0:8 64:16"], "--step-batch-size-schedule"),
     "cuda graphs": (2, BASE + TWO_BW + ["--cuda-graph-impl", "local"], "--cuda-graph-impl"),
     "fp8 without Transformer Engine": (1, BASE + ["--fp8-format", "hybrid"], "--fp8-format hybrid"),
     "asynchronous saves": (2, BASE + TWO_BW + SAVE + ["--async-save", "--use-persistent-ckpt-worker"],

@@ -148,6 +148,8 @@ REFUSED_UNDER_2BW = (
     ("fp16", bool, "--fp16", "its loss scaling skips steps on an inf/nan check across stages; use --bf16"),
     ("rampup_batch_size", lambda v: v is not None, "--rampup-batch-size",
      "changes the microbatch count during training; 2bw's pipeline spans batches"),
+    ("step_batch_size_schedule", lambda v: v is not None, "--step-batch-size-schedule",
+     "changes the microbatch count during training; 2bw's pipeline spans batches"),
     ("use_megatron_fsdp", bool, "--use-megatron-fsdp",
      "shards the weights, while 2bw's stash swaps whole parameter storages between two versions"),
     ("async_save", bool, "--async-save",
