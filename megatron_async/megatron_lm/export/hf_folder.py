@@ -1,0 +1,110 @@
+"""The Hugging Face model folder: written whole into a staging folder beside `--out`, then renamed.
+
+A reader of `--out` sees no folder or a complete one: an export stopped midway leaves only
+a hidden `.NAME.export-*` folder beside it (removed when the export fails in Python). `--out`
+must not exist or be empty; a folder with anything in it, a model above all, is refused.
+The tokenizer, where the run used SentencePiece, goes in as its .model file and as the
+`tokenizers` file that transformers builds from it following its normaliser settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from megatron_async.megatron_lm.export import ExportError
+
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+def check_out(out: str) -> None:
+    """Refuse an `--out` that exists and is not an empty folder."""
+    if not os.path.lexists(out):
+        if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise ExportError(f"--out {out}: its parent folder does not exist")
+        return
+    if not os.path.isdir(out):
+        raise ExportError(f"--out {out}: exists and is not a folder")
+    held = sorted(os.listdir(out))
+    model = [name for name in held if name in MODEL_FILES]
+    if model:
+        raise ExportError(f"--out {out}: already holds a model ({', '.join(model)}); choose another folder")
+    if held:
+        raise ExportError(f"--out {out}: is not empty ({', '.join(held[:3])}); choose another folder")
+
+
+def tokenizer_model(args, override: str | None) -> str | None:
+    """The SentencePiece model of the run (or `--tokenizer-model`), None for other tokenizers."""
+    if override is None and args.tokenizer_type not in SENTENCEPIECE_TOKENIZERS:
+        return None
+    path = override or args.tokenizer_model
+    if not path or not os.path.isfile(path):
+        raise ExportError(f"--tokenizer-model {path}: the run's SentencePiece model is not there; "
+                          "give its current path with --tokenizer-model")
+    return path
+
+
+def special_ids(model_path: str | None) -> dict:
+    """bos/eos/pad ids of the SentencePiece model (eos is Megatron's end of document)."""
+    if model_path is None:
+        return {}
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model_path)
+    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
+    return {key: value for key, value in ids.items() if value >= 0}
+
+
+def _write_tokenizer(model_path: str, folder: str) -> None:
+    import json
+
+    import sentencepiece as spm
+    import transformers
+
+    sp = spm.SentencePieceProcessor(model_file=model_path)
+    ids = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id()}
+    special = {name: sp.id_to_piece(i) for name, i in ids.items() if i >= 0}
+    with tempfile.TemporaryDirectory() as source:
+        shutil.copy(model_path, os.path.join(source, "tokenizer.model"))
+        with open(os.path.join(source, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"tokenizer_class": "TokenizersBackend", **special}, f)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    tokenizer.save_pretrained(folder)
+    shutil.copy(model_path, os.path.join(folder, "tokenizer.model"))
+
+
+def _usual_modes(folder: str) -> None:
+    """The modes a plain mkdir and open give under this umask (the staging folder is private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
+def write(out: str, hf_config, state_dict: dict, tokenizer_path: str | None) -> None:
+    """Config, weights (safetensors), generation config and tokenizer, staged and renamed to `out`."""
+    import torch
+    import transformers
+
+    out = os.path.abspath(out)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=os.path.dirname(out))
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=hf_config.dtype)
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        model.tie_weights()
+        model.generation_config = transformers.GenerationConfig.from_model_config(hf_config)
+        model.save_pretrained(staging)
+        if tokenizer_path is not None:
+            _write_tokenizer(tokenizer_path, staging)
+        _usual_modes(staging)
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.rmdir(out)  # an empty --out (check_out refused any other)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
