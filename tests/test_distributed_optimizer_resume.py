@@ -1,6 +1,6 @@
 """A 2bw checkpoint of Megatron's distributed optimizer resumes, at its DP size and at another.
 
-PP=2 x DP=2 with `--use-distributed-optimizer` trains 8 iterations and saves a torch_dist
+PP=2 x DP=2 with `--use-distributed-optimizer` (and both overlaps) trains 8 iterations and saves a torch_dist
 checkpoint at iteration 4 on the way (one run: the uninterrupted reference and the
 checkpoint). Resumed from iteration 4 at DP=2 it equals the reference to the last bit
 (allowed 1e-6 relative); resharded to DP=1 (the optimizer's shards gathered into one) it
@@ -15,7 +15,10 @@ from test_megatron_loop import ITERS, _assert_same, _logged_losses, _losses, _ru
 
 SAVED_AT = 4
 PP2_2BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
-DIST_OPT = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer", *PP2_2BW]
+# with the overlapped reduce and parameter gather public recipes set: the save comes between a
+# step and the gathers of its update, which Megatron's save finishes (force_param_sync)
+DIST_OPT = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--overlap-grad-reduce",
+            "--overlap-param-gather", *PP2_2BW]
 
 
 def _resumed(tmp_path, name, nproc, ckpt, extra=()):
