@@ -264,3 +264,20 @@ def test_every_refusal_names_one_of_megatrons_flags():
                                              "use_te_activation_func", "num_query_groups", "kv_channels"]
     assert [d for d in named if d not in dests] == []
     assert all(flag(d) in dests[d] for d in named)
+
+
+def test_an_export_that_fails_while_writing_leaves_no_folder(tmp_path):
+    """The folder is staged beside `--out` and renamed only once complete: a failure after the
+    weights were written (here the tokenizer's) leaves neither `--out` nor the staging folder.
+    Control: the same write without the failing part creates `--out`."""
+    import transformers
+
+    from megatron_async.megatron_lm.export import hf_folder
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=4, dtype="float32")
+    state = transformers.GPT2LMHeadModel(config).state_dict()
+    with pytest.raises(Exception):
+        hf_folder.write(str(tmp_path / "hf"), config, state, str(tmp_path / "missing.model"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    hf_folder.write(str(tmp_path / "hf"), config, state, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (tmp_path / "hf" / "model.safetensors").is_file()
