@@ -139,16 +139,11 @@ AUDITED = {
     "adam dist-opt, overlapped reduce and gather, PP=2 x DP=2": (4, ["--use-distributed-optimizer",
                                                                     "--overlap-grad-reduce",
                                                                     "--overlap-param-gather"]),
+    "moe with aux loss, EP=2, dist-opt, both overlaps, PP=2 x DP=2": (4, [
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",
+        "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather"]),
     # Megatron's layer-wise optimizer drives its per-rank optimizers only with --bf16
-    "moe with aux loss, EP=2, PP=2 x DP=2": (4, ["--num-experts", "4", "--moe-router-topk", "2",
-                                                 "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",
-                                                 "--expert-model-parallel-size", "2"]),
-    "moe, EP=2, dist-opt, both overlaps, PP=2 x DP=2": (4, ["--num-experts", "4", "--moe-router-topk", "2",
-                                                            "--disable-bias-linear", "--expert-model-parallel-size",
-                                                            "2", "--use-distributed-optimizer",
-                                                            "--overlap-grad-reduce", "--overlap-param-gather"]),
-    "muon+ef layer-wise dist-opt, PP=2 x DP=2": (4, ["--optimizer", "muon", "--delay-correction", "ef",
-                                                      "--use-distributed-optimizer", "--bf16"]),
     "muon+ef layer-wise dist-opt, both overlaps, PP=2 x DP=2": (4, [
         "--optimizer", "muon", "--delay-correction", "ef", "--use-distributed-optimizer", "--bf16",
         "--overlap-grad-reduce", "--overlap-param-gather"]),
