@@ -6,7 +6,7 @@
 set -o pipefail
 OUT=${OUT:-out/gpu}; SITE=${SITE:-/tmp/site}; LIMIT=${1:-480}; shift $(( $# > 0 ))
 mkdir -p "$OUT"
-[ -f "$SITE/transformer_engine/__init__.py" ] && ls "$SITE"/transformer_engine_torch*.so > /dev/null 2>&1 || {
+ls "$SITE"/transformer_engine/wheel_lib/transformer_engine_torch*.so > /dev/null 2>&1 || {
   echo "run_te_gpu_tests: error: no Transformer Engine in $SITE: run bench/gpu/te_device_setup.sh first" \
        "(docs/gpu_te.md); a machine given back loses /tmp" >&2; exit 2; }
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1

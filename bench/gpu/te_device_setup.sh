@@ -36,22 +36,30 @@ fi
 phase join python3 -m bench.gpu.pieces join --store "$STORE" --dest "$FILES" || exit 2
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
   python3 -c "import sys,torch;print(sys.version.split()[0], torch.__version__, torch.version.git_version, 'cuda', torch.version.cuda)"
-  "$CUDA_HOME/bin/nvcc" --version | tail -n 2; } > "$OUT/env.txt" 2>&1
+  "$CUDA_HOME/bin/nvcc" --version | tail -n 2; ldd --version | head -n 1; } > "$OUT/env.txt" 2>&1
 
-install() {  # every carried wheel but the build tools (and the carried extension when building here)
-  local wheels=() w
+install() {  # every carried wheel but the build tools (and the carried extension when building
+  # on the device), plus any wheel given, in one pip command: TE's three distributions share the
+  # top-level folder transformer_engine/, which a later --upgrade --target would replace whole
+  local wheels=("$@") w
   for w in "$FILES"/*.whl; do
     case "$(basename "$w")" in setuptools-*|wheel-*) continue;; esac
-    [ "$BUILD" = device ] && case "$(basename "$w")" in transformer_engine_torch-*) continue;; esac
+    [ "$made" = device ] && case "$(basename "$w")" in transformer_engine_torch-*) continue;; esac
     wheels+=("$w")
   done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
 }
+made=carried; [ "$BUILD" = device ] && made=device
 phase install install || exit 1
 
 smoke() { PYTHONPATH=$SITE:$PWD python3 -m bench.gpu.te_smoke --json "$OUT/te_smoke.json"; }
-extension_failed() {  # the smoke stopped at importing TE's PyTorch side, not later
-  python3 -c "import json,sys; sys.exit(json.load(open('$OUT/te_smoke.json')).get('stage') != 'import transformer_engine.pytorch')"
+extension_failed() {  # the smoke stopped at loading the extension itself (not at a missing Python package)
+  python3 - "$OUT/te_smoke.json" <<'PY'
+import json, re, sys
+s = json.load(open(sys.argv[1]))
+sys.exit(not (s.get("stage") == "import transformer_engine.pytorch"
+              and re.search(r"shared object|undefined symbol|transformer_engine_torch|torch lib", s.get("error", ""))))
+PY
 }
 build_on_device() {  # transformer_engine_torch from the sdist: a C++ extension against the device's torch
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$STORE/buildtools" \
@@ -62,16 +70,14 @@ build_on_device() {  # transformer_engine_torch from the sdist: a C++ extension 
     timeout "$BUILD_S" python3 -m pip wheel -v --no-index --no-deps --no-build-isolation -w "$STORE/built" \
     "$FILES"/transformer_engine_torch-*.tar.gz > "$OUT/te_build.log" 2>&1 || { tail -n 30 "$OUT/te_build.log"; return 1; }
   cp "$STORE"/built/*.whl "$OUT/" 2>/dev/null
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$STORE"/built/*.whl
 }
 
-made=carried
-if [ "$BUILD" = device ]; then
-  made=device; phase build build_on_device && phase smoke smoke
+if [ "$made" = device ]; then
+  phase build build_on_device && phase reinstall install "$STORE"/built/*.whl && phase smoke smoke
 else
   phase smoke smoke || if extension_failed; then
     echo "TE's PyTorch extension did not load; building it on the device"
-    made=device; phase build build_on_device && phase smoke smoke
+    made=device; phase build build_on_device && phase reinstall install "$STORE"/built/*.whl && phase smoke smoke
   fi
 fi
 python3 -m bench.gpu.te_setup_report write --phases "$PHASES" --smoke "$OUT/te_smoke.json" \

@@ -30,9 +30,11 @@ get --no-deps --only-binary=:all: "transformer_engine==$TE" "transformer_engine_
 # Only an sdist exists, and pip runs its setup.py for the metadata: with .venv's torch (seconds),
 # else in an isolated env that pip first installs torch into (minutes).
 get --no-deps --no-build-isolation "transformer_engine_torch==$TE" || get --no-deps "transformer_engine_torch==$TE"
-# What TE imports that the device's image lacks (it has torch, numpy, pytest): pydantic for the
-# recipes, einops, packaging; pydantic's own dependencies come along.
-get --only-binary=:all: pydantic einops packaging
+# What `import transformer_engine.pytorch` needs beyond torch and numpy (the device's image has
+# both): pydantic for the recipes, einops, packaging, and onnxscript with onnx, which TE's
+# modules import for ONNX export; their own dependencies come along, less those torch brings.
+get --only-binary=:all: pydantic einops packaging onnxscript onnx
+rm -f "$DL"/numpy-*.whl "$DL"/sympy-*.whl "$DL"/mpmath-*.whl
 echo "downloaded in $(( $(date +%s) - s0 ))s"
 if [ -n "$EXTENSION" ]; then
   cp "$EXTENSION" "$DL/"

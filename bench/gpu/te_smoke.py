@@ -4,8 +4,9 @@ Run by bench/gpu/te_device_setup.sh after the install, before any test spends de
 TE: `import transformer_engine.pytorch`, then one te.Linear forward and backward under fp8
 (delayed scaling, hybrid format) and the same weights in bf16. It passes when every output and
 gradient is finite and the fp8 output differs from the bf16 one by more than nothing (fp8 was
-really used) and by less than `--tolerance` (relative), and when Megatron-Core sees TE. The
-result, with the versions that ran, goes to `--json` (bench/gpu/te_setup_report.py reads it).
+really used) and by less than `--tolerance` (relative), and when Megatron-Core imports its TE
+layers and takes TE's fused Adam. The result, with the versions that ran, goes to `--json`
+(bench/gpu/te_setup_report.py reads it).
 
     PYTHONPATH=/tmp/site:$PWD python3 -m bench.gpu.te_smoke --json $OUT/te_smoke.json
 """
@@ -70,10 +71,15 @@ def smoke(result: dict, tolerance: float) -> None:
     result["stage"] = "megatron-core with TE"
     from megatron.core.extensions import transformer_engine as megatron_te  # noqa: F401
     import megatron.core
+    import megatron.core.optimizer as megatron_optimizer
 
-    result["megatron_core"] = megatron.core.__version__
-    result["stage"] = "done" if all(result["finite"].values()) and differs and within else \
-        "fp8 output not finite, equal to bf16, or beyond the tolerance"
+    # Megatron takes TE's FusedAdam where it imports, else torch's AdamW (the path the runs
+    # without TE took); the Adam cases under TE are meant to run the former.
+    adam = megatron_optimizer.Adam
+    result.update(megatron_core=megatron.core.__version__, megatron_adam=f"{adam.__module__}.{adam.__name__}")
+    fused = adam.__module__.startswith("transformer_engine")
+    result["stage"] = "done" if all(result["finite"].values()) and differs and within and fused else \
+        "fp8 output not finite, equal to bf16, beyond the tolerance, or Megatron without TE's Adam"
     result["ok"] = result["stage"] == "done"
     result["total_s"] = round(time.perf_counter() - t0, 2)
 
