@@ -79,11 +79,25 @@ def _fork_the_checkpoint_results_queue() -> None:
     a rank's first save. Its server imports torch to unpickle the first results (about
     2 s of CPU per rank and run, a third of a short test run). Here the server is
     forked from the rank, with torch already imported; the queue and what passes
-    through it are the same. Only these test ranks do this; torchrun jobs keep spawn."""
+    through it are the same. Only these test ranks do this; torchrun jobs keep spawn.
+    A spawned server exits with its rank (launcher_watch.exit_with_parent, from the
+    package's import); the forked one is given the same watch, for a rank that leaves
+    by os._exit (our failures after a save) without shutting its Manager down."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    spawned = filesystem_async.get_write_results_queue
-    filesystem_async.get_write_results_queue = lambda mp_mode="fork": spawned(mp_mode)
+    from megatron_async.megatron_lm.safety.launcher_watch import exit_with_parent
+
+    def forked_queue(mp_mode="fork"):
+        if filesystem_async._results_queue is None:
+            manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+            manager.start(initializer=exit_with_parent)
+            filesystem_async._results_queue = manager.Queue()  # the queue keeps its manager
+        return filesystem_async._results_queue
+
+    filesystem_async.get_write_results_queue = forked_queue
 
 
 def _stop(procs) -> None:
