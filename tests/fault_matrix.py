@@ -37,6 +37,10 @@ FAULTS = [
     ("no room for one checkpoint in `--save`",
      "exit 2 before training on every rank, naming the free space and what one checkpoint needs",
      ["tests/test_save_space.py::test_a_save_without_room_is_refused_before_training"]),
+    ("the disk fills during a save",
+     "exit 2 on every rank with one line naming ENOSPC, the folder and the last complete checkpoint, no "
+     "traceback; the partial folder is renamed `iter_N.torn`, and the tracker still names the complete one",
+     ["tests/test_save_space.py::test_a_disk_that_fills_during_a_save_is_one_line_and_the_partial_folder_set_aside"]),
     ("a refusal in a training script with the patched Megatron (no launcher of ours)",
      "our one line, last on stderr, and exit 2, not a traceback",
      ["tests/test_patches.py::test_a_refusal_in_a_patched_script_is_our_one_line_and_exit_code"]),

@@ -10,7 +10,8 @@
   (side_files.py), `megatron_async.json` (marker.py) and the saved RNG (saved_rng.py);
   the stash's own torch_dist layout is stash/stash_checkpoint.py.
 - `safety/`: what keeps a run from losing work or hanging: one writer per --save
-  (save_lock.py), room for a checkpoint (save_space.py), no silent restart over
+  (save_lock.py), room for a checkpoint (save_space.py) and a disk that fills during a
+  save (full_disk.py), no silent restart over
   checkpoints (checkpoint_guard.py), one line and exit code per failure (failures.py),
   no orphaned workers (launcher_watch.py), logs flushed before our own exits
   (exit_flush.py).
