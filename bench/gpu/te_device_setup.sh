@@ -65,8 +65,9 @@ build_on_device() {  # transformer_engine_torch from the sdist: a C++ extension 
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$STORE/buildtools" \
     "$FILES"/setuptools-*.whl "$FILES"/wheel-*.whl || return 1
   rm -rf "$STORE/built"
+  local cuda=${CUDA_HOME:-/usr/local/cuda}
   PYTHONPATH=$STORE/buildtools:$SITE NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS=90 \
-    NVTE_BUILD_USE_NVIDIA_WHEELS=1 CPATH=$CUDA_HOME/include CUDA_HOME=$CUDA_HOME MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+    NVTE_BUILD_USE_NVIDIA_WHEELS=1 CPATH=$cuda/include CUDA_HOME=$cuda MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     timeout "$BUILD_S" python3 -m pip wheel -v --no-index --no-deps --no-build-isolation -w "$STORE/built" \
     "$FILES"/transformer_engine_torch-*.tar.gz > "$OUT/te_build.log" 2>&1 || { tail -n 30 "$OUT/te_build.log"; return 1; }
   cp "$STORE"/built/*.whl "$OUT/" 2>/dev/null

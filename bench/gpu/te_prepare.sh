@@ -43,7 +43,7 @@ elif [ $BUILD_HERE = 1 ]; then
 fi
 ls -l "$DL"
 $PY -m bench.gpu.pieces split --max-mib "$MAX_MIB" --out .te/calls "$DL"/*
-N=$(ls -d .te/calls/*/ | wc -l)
+N=$(find .te/calls -mindepth 1 -maxdepth 1 -type d | wc -l)
 echo
 echo "Device calls, back to back (the machine is given back 30 s after a call returns):"
 for k in $(seq 1 $((N - 1))); do
