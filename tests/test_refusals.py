@@ -136,6 +136,8 @@ CASES = {
                                                                   "--delay-correction", "ef"],
                                               "--delay-correction ef with --use-precision-aware-optimizer"),
     "unknown delay correction": (1, BASE + ["--delay-correction", "sgd"], "--delay-correction"),
+    "layer-wise Muon in fp32": (4, BASE + TWO_BW + ["--optimizer", "muon", "--use-distributed-optimizer"],
+                                "add --bf16"),
     "Newton-Schulz steps": (1, BASE + ["--optimizer", "muon", "--muon-num-ns-steps", "0"], "--muon-num-ns-steps"),
     "coefficient set": (1, BASE + ["--optimizer", "muon", "--muon-coefficient-type", "nonsense"],
                         "--muon-coefficient-type 'nonsense'"),
@@ -148,7 +150,7 @@ REFUSED_BY = {"unknown delay correction": "argparse", "unknown optimizer": "argp
 ACCEPTED = {
     "2bw": (2, BASE + TWO_BW),
     "2bw, muon + EF, distributed optimizer": (4, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "ef",
-                                                                  "--use-distributed-optimizer"]),
+                                                                  "--use-distributed-optimizer", "--bf16"]),
     "simulated stage delays": (1, BASE + ["--simulated-delay", "1,0"]),
     "2bw, weight prediction, untied": (2, BASE + TWO_BW + ["--delay-correction", "predict",
                                                            "--untie-embeddings-and-output-weights"]),

@@ -330,6 +330,11 @@ def _check_optimizer(args: argparse.Namespace) -> None:
     if "muon" not in args.optimizer:
         return
     _require(args.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1 (got {args.muon_num_ns_steps})")
+    layer_wise = getattr(args, "use_layer_wise_distributed_optimizer", False)
+    _require(not layer_wise or args.bf16 or args.fp16,
+             f"--optimizer {args.optimizer} with --use-distributed-optimizer runs Megatron's layer-wise optimizer, "
+             "which Megatron-Core 0.19.2 drives only in mixed precision: in fp32 it fails at the first step "
+             "('TensorParallelMuon' has no get_loss_scale); add --bf16, or drop --use-distributed-optimizer")
     try:
         from megatron.core.optimizer.emerging_optimizers import get_supported_coefficient_types
 
