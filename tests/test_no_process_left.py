@@ -23,7 +23,8 @@ def _check(command, cwd=REPO, env=None):
 
 
 def test_a_process_left_running_is_named_ended_and_fails_the_check(tmp_path):
-    out = _check(["sh", "-c", "sleep 97 & echo $! > leftover.pid"], cwd=tmp_path)
+    # the leftover writes nowhere: run() then returns when the check does, not when the sleep ends
+    out = _check(["sh", "-c", "sleep 97 > /dev/null 2>&1 & echo $! > leftover.pid"], cwd=tmp_path)
     assert out.returncode == 1, out.stderr
     assert "1 process(es) started by" in out.stderr and "sleep 97" in out.stderr
     pid = int((tmp_path / "leftover.pid").read_text())
