@@ -80,6 +80,7 @@ class WeightStashManager:
             for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
                 self._add_buffer(buffer)
         self._names = _param_names(self.chunks)
+        self._by_id = {id(p): p for p in self.params}  # for fused_weights, once per hooked forward
         # every storage that holds some version of the weights, for the alias guard
         self._weight_storages = {_storage_ptr(t) for t in self._live} | {
             _storage_ptr(flat) for slot in self._slots for flat in slot}
@@ -190,7 +191,7 @@ class WeightStashManager:
     def fused_weights(self, outputs) -> list[torch.nn.Parameter]:
         """After a forward under `use(..., hooks=True)`: the weights its fused linear
         layers accumulate into `main_grad`, whose backward sees plain tensors (fused_wgrad.py)."""
-        return fused_wgrad.fused_weights(outputs, {id(p): p for p in self.params})
+        return fused_wgrad.fused_weights(outputs, self._by_id)
 
     def _check_not_alias(self, tensor: torch.Tensor) -> None:
         if _storage_ptr(tensor) not in self._weight_storages:
