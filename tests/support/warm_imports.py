@@ -1,7 +1,7 @@
 """What the tests' forkserver does once, so that every rank forked from it skips it.
 
 Each rank of a test run would otherwise import Megatron's training package (which
-our launcher's hooks patch) and, at each of Megatron's two argument parses, read
+our launcher's hooks patch) and its tokenizers (with transformers), and, at each of Megatron's two argument parses, read
 and parse the source of some 26 config dataclasses to get their field docstrings
 (`ArgumentGroupFactory._get_field_docstrings`, about 0.2 s of CPU a rank). Here the
 docstrings are read once per class and kept: they are a function of the source
@@ -14,8 +14,11 @@ import importlib
 
 from megatron.training import argument_utils, arguments
 
-# For the ranks; neither queries CUDA at import, so importing them before the emulation is fine.
-for _module in ("megatron.training.training", "megatron.core.datasets.gpt_dataset"):
+# For the ranks; none queries CUDA at import, so importing them before the emulation is fine.
+# Megatron's tokenizer package imports transformers whatever the tokenizer type (NullTokenizer
+# too): about 2 s of CPU a rank where transformers is installed (the export extra).
+for _module in ("megatron.training.training", "megatron.core.datasets.gpt_dataset",
+                "megatron.core.tokenizers.text"):
     importlib.import_module(_module)
 
 _read = argument_utils.ArgumentGroupFactory._get_field_docstrings
