@@ -230,36 +230,42 @@ RESUMED = {**{name: OPTIMIZERS[name] for name in ("adam", "muon+ef")},
            "adam, stale-global clipping": ["--clip-grad-mode", "stale-global", "--clip-grad", "0.05"]}
 
 
+def _saved_at_4(tmp_path, ckpt, name):
+    """A copy of `ckpt`'s iteration-4 checkpoint alone, its tracker at 4: what a run
+    stopped at 4 would have left (the run itself went on to 8)."""
+    copy = tmp_path / name
+    shutil.copytree(ckpt / "iter_0000004", copy / "iter_0000004")
+    (copy / "latest_checkpointed_iteration.txt").write_text("4")
+    return copy
+
+
 @pytest.mark.parametrize("optimizer", list(RESUMED))
 def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
-    """Saved at iteration 4 (exit there), resumed to 8: the losses of 5-8 equal the
-    uninterrupted run's (observed bitwise; allowed 1e-6). Without the RNG snapshot
-    taken before the next batch's warm-up forwards they differ in the 3rd digit; with
-    stale-global clipping, without the saved global norms. Negative control (Muon + EF,
+    """The uninterrupted run saves at iteration 4 and trains on to 8; resumed from that
+    checkpoint, the losses of 5-8 equal its own (observed bitwise; allowed 1e-6). The
+    save comes while the next batch's warm-up forwards are due: without the RNG
+    snapshot taken before them the losses differ in the 3rd digit; with stale-global
+    clipping, without the saved global norms. Negative control (Muon + EF,
     stale-global): the same checkpoint without its marker resumes elsewhere."""
     base = RESUMED[optimizer] + RESUME + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
-    MODEL_DROPOUT = [a for a in base]
-    full = _losses(tmp_path, "full", 2, MODEL_DROPOUT)
-    ckpt = str(tmp_path / "ckpt")
-    proc, first = _run(tmp_path, "first", 2, MODEL_DROPOUT + ["--save", ckpt, "--save-interval", "4",
-                                                               "--exit-interval", "4"])
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert json.loads((tmp_path / "ckpt" / "iter_0000004" / "megatron_async.json").read_text())["weight_stash"]
-    bare = tmp_path / "bare"  # for the negative control: the same checkpoint without its marker
-    shutil.copytree(ckpt, bare)
+    ckpt = tmp_path / "ckpt"
+    full = _losses(tmp_path, "full", 2, base + ["--save", str(ckpt), "--save-interval", "4"])
+    assert json.loads((ckpt / "iter_0000004" / "megatron_async.json").read_text())["weight_stash"]
+    saved = _saved_at_4(tmp_path, ckpt, "saved")
+    bare = _saved_at_4(tmp_path, ckpt, "bare")  # for the negative control: the same checkpoint without its marker
     (bare / "iter_0000004" / "megatron_async.json").unlink()
-    proc, second = _run(tmp_path, "second", 2, MODEL_DROPOUT + ["--load", ckpt, "--save", ckpt,
-                                                                "--save-interval", "100"])
+    proc, second = _run(tmp_path, "second", 2, base + ["--load", str(saved), "--save", str(saved),
+                                                       "--save-interval", "100"])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    resumed = _logged_losses(first, second)
-    assert len(resumed) == ITERS
-    _assert_same(resumed, full)
+    resumed = _logged_losses(second)
+    assert len(resumed) == ITERS - 4
+    _assert_same(resumed, full[4:])
     if optimizer in ("muon+ef", "adam, stale-global clipping"):  # without our state it resumes elsewhere
-        proc, without = _run(tmp_path, "without", 2, MODEL_DROPOUT + ["--load", str(bare)], module=OLD_ENTRY,
+        proc, without = _run(tmp_path, "without", 2, base + ["--load", str(bare)], module=OLD_ENTRY,
                              env=MARKERLESS_RESUME)
         assert proc.returncode == 0, proc.stdout[-4000:]
         with pytest.raises(AssertionError):
-            _assert_same(_logged_losses(first, without), full)
+            _assert_same(_logged_losses(without), full[4:])
 
 
 def test_2bw_resumes_from_a_1f1b_checkpoint(tmp_path):
