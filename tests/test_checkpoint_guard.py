@@ -330,25 +330,33 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
     from tests.support.launch import _torchrun
     from test_megatron_loop import CPU, MODEL, TRAIN
 
+    from tests.support.warm_launch import warm_run
+
     copy, torn = _torn_copy(torch_format_checkpoint, tmp_path, ranks)
     argv = ["--gpt", *CPU, *MODEL, *TRAIN, *TORCH_FORMAT, "--load", str(copy), "--train-iters", "12",
             "--override-opt_param-scheduler"]
-    proc = _torchrun(["-m", "megatron_async.launch", *argv], 2, 300, None)
+    # torchrun where its root cause is read (one damaged rank beside a healthy one); warm ranks,
+    # which skip the imports, where every rank is damaged and each says so with exit code 2
+    if ranks == (0, 1):
+        proc = warm_run("megatron_async.launch", argv, 2, 300, peers_exit_s=30)
+    else:
+        proc = _torchrun(["-m", "megatron_async.launch", *argv], 2, 300, None)
     out = proc.stdout
     assert proc.returncode != 0, out[-4000:]
     for rank, path in zip(ranks, torn):
         line = next((x for x in out.splitlines() if "damaged: " in x and str(path) in x and x.endswith(f"(rank {rank})")), None)
         assert line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, out[-4000:]
-    root_cause = out[out.index("Root Cause"):]
-    assert int(re.search(r"rank\s*:\s*(\d+)", root_cause).group(1)) in ranks, root_cause
-    assert "cannot be loaded" in root_cause and re.search(r"exitcode\s*:\s*2\b", root_cause), root_cause
+    if ranks == (0, 1):
+        assert all(f"warm_launch: rank {rank} of 2 failed (exit code 2)" in out for rank in ranks), out[-4000:]
+    else:
+        root_cause = out[out.index("Root Cause"):]
+        assert int(re.search(r"rank\s*:\s*(\d+)", root_cause).group(1)) in ranks, root_cause
+        assert "cannot be loaded" in root_cause and re.search(r"exitcode\s*:\s*2\b", root_cause), root_cause
     assert " iteration        9/" not in out
     # negative control: Megatron's own exit there ended the job with 0 when every rank's file was
     # damaged, and with only rank 1's, torchrun named the healthy rank 0 as the root cause
     monkeypatch.setenv("MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT", "1")
     if ranks == (0, 1):  # no root cause to read: warm ranks skip the imports
-        from tests.support.warm_launch import warm_run
-
         proc = warm_run("tests.support.step_end_entry", argv, 2, 300)
         assert proc.returncode == 0, proc.stdout[-4000:]
         assert "could not load the checkpoint" in proc.stdout
