@@ -1,10 +1,10 @@
 """Long runs stay flat and end cleanly: bounded send handles, launcher death.
 
-Each test can fail: the handle count is compared between a short and a long run
-(before the fix it grew by 2m sends per iteration per stage); the orphan test kills
-the launcher, or one worker, of a run in Megatron's loop with SIGKILL and requires
-every process the job started gone within a deadline (before the fix the checkpoint
-writer's Manager and its resource tracker survived a killed worker). The NaN stop is in tests/test_megatron_loop.py.
+Each test can fail: the handle count is compared between a short and a long run (a
+runtime that kept every send would grow by 2m sends per iteration per stage); the orphan
+test kills the launcher, or one worker, of a run in Megatron's loop with SIGKILL and
+requires every process the job started gone within a deadline (the checkpoint writer's
+Manager and its resource tracker are what a killed worker leaves behind unless watched). The NaN stop is in tests/test_megatron_loop.py.
 """
 
 import os
@@ -141,7 +141,7 @@ def test_no_process_outlives_a_killed_job(tmp_path, victim, entry):
         workers = _children(launcher.pid)
         assert len(workers) == 2, workers
         writers = [p for p in started if "multiprocessing.spawn" in _command(p)]
-        assert writers, "the checkpoint writer's spawned Manager was expected"  # what used to survive
+        assert writers, "the checkpoint writer's spawned Manager was expected"  # what a killed worker would leave behind
         os.kill(launcher.pid if victim == "launcher" else workers[-1], signal.SIGKILL)
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in started) and time.monotonic() < deadline:
