@@ -50,11 +50,7 @@ def main(argv=None) -> int:
     script, rest = argv[0], argv[1:]
     if on_cpu:
         rest = with_cpu_flags(rest)
-    try:
-        code = _run_and_finish(script, rest)
-    finally:
-        if on_cpu:
-            cpu.write_exit_report()
+    code = _run_and_finish(script, rest)
     if code:  # our refusal or stop: the process groups still hold gloo/NCCL threads, which
         from megatron_async.megatron_lm.safety import exit_flush
 
@@ -108,10 +104,6 @@ def _finish() -> None:
         run = plugin_run.current()
         if run is not None:
             run.metrics.finish(get_args().plot)
-        from megatron_async import cpu
-
-        if cpu.is_active():  # before the group is destroyed, which aborts what is left
-            cpu.write_exit_report()
         dist.barrier()
         dist.destroy_process_group()
 

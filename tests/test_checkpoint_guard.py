@@ -237,9 +237,9 @@ def test_flipped_bytes_in_a_shard_are_refused_before_training_naming_the_file(tm
 
 def test_the_opt_out_takes_no_checksums_and_a_checkpoint_without_them_loads_saying_so(tmp_path, tied_checkpoint,
                                                                                        monkeypatch):
-    """--no-checkpoint-checksums: the flipped checkpoint loads unverified and trains (what every
-    resume did without checksums), and its save records none; a checkpoint without checksums
-    (this one, or one of an older megatron-async) loads, saying so."""
+    """--no-checkpoint-checksums: the flipped checkpoint loads unverified and trains (as any
+    resume without checksums does), and its save records none; a checkpoint without checksums
+    (this one, or one written by a megatron-async without them) loads, saying so."""
     import shutil
 
     import test_megatron_loop as loop
@@ -321,7 +321,7 @@ def _torn_copy(ckpt, tmp_path, ranks):
 def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_path, torch_format_checkpoint, ranks,
                                                                           monkeypatch):
     """Megatron's loader prints "could not load the checkpoint" and calls a bare sys.exit()
-    (exit code 0). Under torchrun the job now fails: each rank that found a damaged file
+    (exit code 0). Under torchrun the job fails instead: each rank that found a damaged file
     names it, itself and the previous complete iteration, and torchrun's root cause is
     such a rank, not a healthy peer that lost its connection. Negative control: with
     Megatron's exit passed through, the job exits 0 having trained nothing."""

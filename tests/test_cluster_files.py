@@ -157,8 +157,8 @@ def test_moe_10b_plan_counts_send_buffers_and_the_save(moe_plan):
 
 
 def test_moe_10b_plan_fits_a_gpu_that_holds_the_training_peak(moe_plan):
-    """With no GPU copy at a save, the training peak is the budget (the clone the save
-    used to make would have pushed it past a GPU of exactly this size)."""
+    """With no GPU copy at a save, the training peak is the budget (a device-side clone of
+    the stash at the save would push it past a GPU of exactly this size)."""
     from megatron_async.planning.plan import fits_on_gpu
 
     plan, _ = moe_plan

@@ -218,7 +218,7 @@ def test_install_names_a_missing_megatron_function(monkeypatch):
 
 RESUME = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--ckpt-format", "torch_dist"]
 # the resume tests' negative controls: a checkpoint without its marker resumes without our state,
-# as before such a resume was refused (tests/support/step_end_entry.py)
+# through a test entry that lets such a resume through (tests/support/step_end_entry.py)
 OLD_ENTRY = "tests.support.step_end_entry"
 MARKERLESS_RESUME = {"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"}
 

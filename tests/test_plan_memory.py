@@ -11,7 +11,7 @@
   longer run peaks the same, while a rule that never retires does not).
 - Retiring a send as soon as it is known complete (NCCL's `is_completed()`, pruned by
   PendingSends.add at the next post), timed by the schedule simulator: the held sends
-  no longer grow with m (equal at m = 4 and m = 64) and stay below the bound; a send
+  do not grow with m (equal at m = 4 and m = 64) and stay below the bound; a send
   that never reports completion gives back the bound (negative control).
 - The tensor size agrees with Megatron's own pipeline shape (get_tensor_shapes) for
   sequence and context parallelism and for two dtypes.

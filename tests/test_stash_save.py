@@ -6,7 +6,8 @@ in Megatron's DDP) with a dispatch mode that sees every tensor op the save runs:
 only ops are copies whose output is on the host, one per flat buffer, and the bytes
 they produce are the stash's own bytes, the plan's `save_host` term
 (megatron_async/planning/plan.py), while its GPU term `save_gpu` is zero. The same recorder
-finds the device-side clone of the former save (negative control).
+finds a device-side clone of the stash, what a save on the stash's device would run
+(negative control).
 """
 
 import torch
@@ -40,7 +41,7 @@ def _save_entry(rank, world_size):
     stash = WeightStashManager(model, depth=1)
     with _Recorder() as saved:
         state = stash.state_dict()
-    with _Recorder() as cloned:  # the former save, on the stash's device
+    with _Recorder() as cloned:  # a save on the stash's device
         [[flat.clone() for flat in slot] for slot in stash._slots]
     flats = [flat for slot in stash._slots for flat in slot]
     return {"ops": saved.ops, "clone_ops": cloned.ops, "flats": len(flats), "stash_bytes": stash.stash_bytes(),

@@ -8,10 +8,10 @@ norm of a delayed run equal those of the same start under `--simulated-delay 0`
 weights), for --finetune, --no-load-optim, --pretrained-checkpoint, a checkpoint
 without a stash (Megatron's 1F1B) and a fresh start, under each delay correction,
 at PP=1 (--simulated-delay 1) and under 2bw at PP=2. Each start that loads says so.
-Negative control: the former start, which kept a stash already at the run's
-iteration, trains the first iteration of --finetune with weight prediction on the
-untrained weights. (Without prediction the first step reads version 0 from the live
-weights, so the former start went wrong only there; every case here still runs.)
+Negative control: a start that keeps a stash already at the run's iteration instead of
+following the load trains the first iteration of --finetune with weight prediction on
+the untrained weights. (Without prediction the first step reads version 0 from the live
+weights, so such a start goes wrong only there; every case here still runs.)
 """
 
 import json
@@ -89,7 +89,7 @@ def test_2bw_finetune_with_prediction_begins_at_the_loaded_weights(checkpoints, 
     assert NOTICE in proc.stdout and "--finetune" in proc.stdout, proc.stdout[-3000:]
     ref = _first(reference)["lm_loss"]
     assert abs(_first(fixed)["lm_loss"] - ref) <= RTOL * abs(ref)
-    # negative control: the former start keeps the stash of untrained weights
+    # negative control: a start that keeps the stash at the run's iteration holds untrained weights
     proc, former = _run(tmp_path, "former", 2, two_bw, module="tests.support.step_end_entry",
                         env={"MEGATRON_ASYNC_TEST_OLD_STASH_START": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -4,18 +4,17 @@ sends left at exit.
 On NCCL a send larger than its buffer (a real activation) runs on the GPU until its
 receiver posts, and `torch.cuda.synchronize` / `empty_cache` wait for it. The CPU
 emulation waits the same way (megatron_async/cpu_nccl.py, `EmulatedNccl.wait_all`),
-failing with UnreceivedSendError where NCCL would hang. Megatron waits on the device at step ends
+failing with DeviceWaitError where NCCL would hang. Megatron waits on the device at step ends
 with `--gpu-sniff-test-interval` (between all-rank collectives), `--train-sync-interval`
 and `--empty-unused-memory-level` (both followed by an evaluation's all-rank timer
 barrier). Each of them runs under 2bw in Megatron's loop at PP=2, and each hangs the
-runtime as it was before its step-end receive (tests.support.step_end_entry,
-the negative control: a stage received the next batch's activation only in its next
-step).
+runtime without its step-end receive (tests.support.step_end_entry, the negative
+control: a stage receives the next batch's activation only in its next step).
 
 At exit, every rank reports the sends it posted and nobody waited on
-(MEGATRON_ASYNC_EXIT_REPORT): zero after the end of --train-iters, --exit-interval with
+(tests/support/exit_report.py): zero after the end of --train-iters, --exit-interval with
 and without --save, and an exception (a diverging run stopped by our non-finite check,
-at each rank that stopped on it); the old runtime hangs at --exit-interval without
+at each rank that stopped on it); the control runtime hangs at --exit-interval without
 --save and leaves sends at the exception.
 
 Eight iterations with the log interval 1 and evaluations every 2 reach every step end
@@ -57,7 +56,7 @@ def _run(tmp_path, name, extra, old=False, send_wait_s=SEND_WAIT_S, peers_exit_s
     metrics = tmp_path / f"{name}.jsonl"
     env = {"MEGATRON_ASYNC_CPU_SEND_WAIT_S": str(send_wait_s),
            "MEGATRON_ASYNC_TEST_QUICK_SNIFF": "1",
-           "MEGATRON_ASYNC_TEST_OLD_RUNTIME": "1" if old else "0", "MEGATRON_ASYNC_EXIT_REPORT": str(report)}
+           "MEGATRON_ASYNC_TEST_OLD_RUNTIME": "1" if old else "0", "MEGATRON_ASYNC_TEST_EXIT_REPORT": str(report)}
     proc = warm_run(ENTRY, ["--gpt", *CPU, *MODEL, *TRAIN, *TWO_BW, "--metrics-json", str(metrics), *extra], 2,
                     TIMEOUT_S, env=env, peers_exit_s=peers_exit_s)
     reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in report.glob("rank*.json")}
@@ -110,7 +109,7 @@ def test_every_exit_leaves_no_send_outstanding(tmp_path, name):
 
 
 def test_the_old_runtime_hangs_at_exit_interval(tmp_path):
-    """Negative control: at --exit-interval without --save the old runtime's last step
+    """Negative control: at --exit-interval without --save the control runtime's last step
     leaves a send its receiver never posts for, and Megatron's exit path waits on the
     device (its timers): the emulation fails there, where NCCL would hang."""
     proc, _metrics, _reports = _run(tmp_path, "exit", EXITS["--exit-interval"], old=True, send_wait_s=HANG_WAIT_S,
@@ -120,7 +119,7 @@ def test_the_old_runtime_hangs_at_exit_interval(tmp_path):
 
 
 def test_the_old_exception_path_leaves_sends_outstanding(tmp_path):
-    """Negative control: the exit report counts the sends the old runtime left at an exception."""
+    """Negative control: the exit report counts the sends the control runtime leaves at an exception."""
     proc, _metrics, reports = _run(tmp_path, "exception", EXITS["exception"], old=True)
     assert proc.returncode == 3, proc.stdout[-3000:]
     ranks = _stopped(proc.stdout)

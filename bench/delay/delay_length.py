@@ -5,7 +5,7 @@ scale the gap is large after 150 steps. This reads the summary.json of
 bench/delay/delay_sweep.py runs at several `--iters` (same model, corpus and modes) and
 reports, per optimizer and length: the sync loss, the gap async - sync, the gap
 relative to the sync loss, and the share of the gap each correction recovers, with
-the targets of the issue at the longest length (Muon's gap < 2% of its sync loss,
+the delay studies' targets at the longest length (Muon's gap < 2% of its sync loss,
 AdamW's gap >= 3x Muon's, EF recovering >= 50% of Muon's gap).
 
 Learning rates can be re-tuned per length: pass several summaries of the same
@@ -90,7 +90,7 @@ def sync_checks(table: list[dict], searched: list[dict]) -> list[dict]:
 
 
 def targets(table: list[dict]) -> dict:
-    """The issue's targets at the longest length that has both AdamW and Muon, at their tuned rates."""
+    """The targets at the longest length that has both AdamW and Muon, at their tuned rates."""
     table = tuned(table)
     lengths = {r["iters"] for r in table if r["optimizer"] == "adam"} & {r["iters"] for r in table
                                                                           if r["optimizer"] == "muon"}

@@ -125,7 +125,7 @@ def _seeds(k: int) -> str:
 
 
 def moe_targets(rows: list[dict]) -> str:
-    """The issue's MoE targets: Muon's gap < 2% of its sync loss, AdamW's >= 3x Muon's."""
+    """The MoE targets: Muon's gap < 2% of its sync loss, AdamW's >= 3x Muon's."""
     moe = {r["optimizer"]: r for r in rows if "experts" in r["model"]}
     if not {"adam", "muon"} <= set(moe):
         return "MoE targets: AdamW and Muon have not both run yet."

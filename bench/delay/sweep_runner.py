@@ -65,7 +65,7 @@ class Model:
     moe_topk: int = 2
     moe_aux_loss_coeff: float = 1e-2  # Megatron's usual coefficient
     # Muon's Newton-Schulz matmuls: Megatron's default "medium" (None) runs them in
-    # bf16, which the CPU emulates 17-31x slower than "high" (bench/overhead/muon_matmul_precision.py); issue 30's
+    # bf16, which the CPU emulates 17-31x slower than "high" (bench/overhead/muon_matmul_precision.py); the delay
     # studies use "high", for every run they compare
     muon_matmul_prec: str | None = None
 
@@ -111,7 +111,7 @@ class Model:
         ]
 
 
-# The models of the delay studies (issue 30): the dense GPT of docs/reproduction.md
+# The models of the delay studies: the dense GPT of docs/reproduction.md
 # (1.9M parameters), one at least 4x larger, and the dense GPT with every MLP an MoE
 # layer of 8 experts, top-2, each expert half the dense MLP's width, so a token's
 # active parameters are about the dense model's.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device command for issue 50's target (make test-gpu-ranks: several NCCL ranks on one GPU),
+# Device command for make test-gpu-ranks (several NCCL ranks on one GPU),
 # with the wheels carried in .whl/ (megatron-core 0.19.2, emerging-optimizers 0.3.0); the
 # report (ranks.json, rewritten after each case) and the log in $OUT:
 #   bash bench/gpu/run_gpu_ranks.sh [TIMEOUT_S] [PYTEST_ARGS...]

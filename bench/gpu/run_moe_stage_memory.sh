@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device command for issue 52, item 6 (bench/gpu/moe_stage_memory.py), with the wheels carried
+# Device command for the 10B MoE stage's memory check (bench/gpu/moe_stage_memory.py), with the wheels carried
 # in .whl/ (megatron-core 0.19.2, emerging-optimizers 0.3.0); results in $OUT:
 #   bash bench/gpu/run_moe_stage_memory.sh [TIMEOUT_S] [ARGS for moe_stage_memory...]
 set -o pipefail

@@ -9,7 +9,7 @@ Megatron's own training loop, checkpointing every 500 iterations (Megatron's
 checkpoints, stash included), and reads each rank's `--rank-stats-dir`
 records (mean s/iter, RSS, pending point-to-point sends every 100 iterations).
 
-Targets (issue 13), per rank: the mean time per iteration of the last 500
+Targets, per rank: the mean time per iteration of the last 500
 iterations within 5% of that of iterations 500-1,000, and RSS growth after
 iteration 500 below 20 MB. `--quick` scales the windows to the run length and
 checks nothing.

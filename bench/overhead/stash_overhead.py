@@ -111,7 +111,7 @@ def _fastest(fn, repeats: int, keep: int = 5) -> float:
 
 
 def _copy_per_parameter(stash) -> None:
-    """The step's weight copy as it was before one `torch._foreach_copy_`: a copy a parameter."""
+    """The step's weight copy without `torch._foreach_copy_`: a copy a parameter, what the one call saves against."""
     for dst, src in zip(stash.slot_views()[0], stash._live):
         dst.copy_(src)
 
@@ -150,7 +150,7 @@ def breakdown(model, spec, stash, repeats: int = 30) -> dict:
     point_to = _fastest(lambda: (stash.point_to(stash.newest - 1 if stash.newest else 0),
                                  stash.point_to(stash.newest)), repeats) / 2
     copies = {"foreach": [], "per_parameter": []}
-    for _ in range(repeats):  # the step's copy against the one-copy-per-parameter loop it replaced, alternated
+    for _ in range(repeats):  # the step's copy against a copy a parameter, alternated
         copies["foreach"].append(_fastest(stash.copy_live_into_stash, 1, 1))
         copies["per_parameter"].append(_fastest(lambda: _copy_per_parameter(stash), 1, 1))
     return {

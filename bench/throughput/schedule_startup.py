@@ -3,15 +3,15 @@
     python -m bench.throughput.schedule_startup                 # p=8, m=16: 1k and 10k whole lists, 1k/10k/100k streamed
     python -m bench.throughput.schedule_startup --quick         # 100 and 1,000 iterations (what the smoke test runs)
 
-"whole lists" is what the runtime did before the lists were streamed: the 2bw
-generator's lists for every stage and the whole run (gen_2bw.two_bw). "streamed" is
-what it does now: a TwoBWStream and the first batch's segment of every stage
+"whole lists" are the 2bw generator's lists for every stage and the whole run
+(gen_2bw.two_bw), whose cost grows with the run. "streamed" is what the runtime builds
+instead: a TwoBWStream and the first batch's segment of every stage
 (schedules/stream_2bw.py). Both are measured side by side in this process: wall
 time and the Python heap's peak (tracemalloc). Whole lists at 100k iterations
 (about 15 minutes and 12 GB here, by the linear growth the 1k and 10k rows show)
 run only with --whole-100k.
 
-Target (issue 15): streamed start-up time and memory independent of --train-iters.
+Target: streamed start-up time and memory independent of --train-iters.
 """
 
 from __future__ import annotations

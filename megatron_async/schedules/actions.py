@@ -53,7 +53,7 @@ class ScheduleError(ValueError):
 
 
 class _Repr:
-    """repr without `chunk` when it is 0, so one-chunk schedules read as before."""
+    """repr without `chunk` when it is 0: most schedules hold one chunk a stage, and their actions read shorter."""
 
     def __repr__(self) -> str:
         fields = [f"{k}={v!r}" for k, v in self.__dict__.items() if not (k == "chunk" and v == 0)]

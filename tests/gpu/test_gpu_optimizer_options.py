@@ -6,7 +6,7 @@
   correction trains (control: the refusal is ours, not a broken optimizer).
 - A torch-format save of a `--simulated-delay 1` run adds nothing to the GPU's peak
   memory: the stash streams to the host (tests/test_stash_save.py records the copies
-  on the CPU). Control: the former device-side clone adds at least the stash's bytes.
+  on the CPU). Control: a device-side clone of the stash adds at least the stash's bytes.
 """
 
 import json

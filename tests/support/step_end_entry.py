@@ -1,31 +1,29 @@
-"""`python -m tests.support.step_end_entry ARGS`: megatron_async.launch for the
-step-end tests (tests/test_step_end_waits.py), with two switches read from the
-environment:
+"""`python -m tests.support.step_end_entry ARGS`: megatron_async.launch for the tests that
+need a runtime changed in one place, each change switched on from the environment. Most are
+negative controls: a runtime without one of its safeguards, which the test must catch.
 
-- MEGATRON_ASYNC_TEST_OLD_RUNTIME=1: the 2bw runtime as it was before its step-end
-  receive (a stage received a later batch's activation only in its next step) and
-  before its exit paths finished (only a normal end of training drained): the
-  negative control, whose hangs the CPU emulation of NCCL must catch and whose sends
-  left at exit the exit report must count;
-- MEGATRON_ASYNC_TEST_OLD_STASH_START=1: the stash's start as it was before it followed
-  the checkpoint load (tests/test_stash_start.py's negative control): a stash at the
-  run's iteration was kept, though it held the weights from before the load;
-- MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT=1: Megatron's bare `sys.exit()` on its load path
-  passed through as it used to (exit code 0; tests/test_checkpoint_guard.py's negative
-  control);
+- MEGATRON_ASYNC_TEST_OLD_RUNTIME=1: a 2bw runtime without its step-end receive (a stage
+  receives a later batch's activation only in its next step) whose exit paths drain only
+  at a normal end of training: the CPU emulation of NCCL must catch its hangs, and the exit
+  report must count the sends it leaves at exit (tests/test_step_end_waits.py);
+- MEGATRON_ASYNC_TEST_OLD_STASH_START=1: a stash start that keeps a stash already at the
+  run's iteration instead of following the checkpoint load, so it holds the weights from
+  before the load (tests/test_stash_start.py);
+- MEGATRON_ASYNC_TEST_OLD_LOAD_EXIT=1: Megatron's bare `sys.exit()` on its load path passed
+  through unchanged (exit code 0; tests/test_checkpoint_guard.py);
 - MEGATRON_ASYNC_TEST_CLOCK_AHEAD_S=S: Megatron's training clock (`_TRAIN_START_TIME`)
   started S seconds earlier, so that `--exit-duration-in-mins 1` runs out S seconds
   sooner (tests/test_stop_agreement.py);
-- MEGATRON_ASYNC_TEST_OLD_TIED_CONTACT=1: the tied link's pair communicator made as it
-  was, by an all-reduce of the pair (a communicator nothing uses), with no first contact:
-  under NCCL's lazy pair communicators the first stage's first gradient receive then
-  hangs (tests/test_tied_link_waits.py, and `make test-gpu-ranks` on real NCCL);
-- MEGATRON_ASYNC_TEST_OLD_TIED_RECV=1: the tied gradient receive posted as it was, at
-  the batch's first backward, a whole batch before its sender's step;
+- MEGATRON_ASYNC_TEST_OLD_TIED_CONTACT=1: the tied link's pair communicator made by an
+  all-reduce of the pair (a communicator nothing uses), with no first contact: under NCCL's
+  lazy pair communicators the first stage's first gradient receive then hangs
+  (tests/test_tied_link_waits.py, and `make test-gpu-ranks` on real NCCL);
+- MEGATRON_ASYNC_TEST_OLD_TIED_RECV=1: the tied gradient receive posted at the batch's first
+  backward, a whole batch before its sender's step;
 - MEGATRON_ASYNC_TEST_EMPTY_CACHE_ON_STAGE0=1: `torch.cuda.empty_cache()` after every
   forward and backward of the first stage, as an allocator retry would anywhere in a batch;
 - MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME=1: a checkpoint whose files hold a stash but
-  whose megatron_async.json is gone resumes as it did, with both weight versions equal
+  whose megatron_async.json is gone resumes without refusal, with both weight versions equal
   (the resume tests' negative controls: a resume without our state must differ);
 - MEGATRON_ASYNC_TEST_EXIT_AFTER_SAVE=N: the process exits (code 9, as if killed) right after
   Megatron's save of iteration N returned, tracker written, before anything of ours that
@@ -33,7 +31,9 @@ environment:
 - MEGATRON_ASYNC_TEST_QUICK_SNIFF=1: Megatron's `--gpu-sniff-test-interval` check with
   its GEMM and bandwidth benchmarks (80 s on the CPU) replaced by one all-reduce over
   all ranks and a device synchronisation, keeping what matters to the pipeline:
-  Megatron's barrier-timed bracket around all-rank collectives.
+  Megatron's barrier-timed bracket around all-rank collectives;
+- MEGATRON_ASYNC_TEST_EXIT_REPORT=DIR: each rank's sends left unwaited at exit, written to
+  DIR (tests/support/exit_report.py).
 """
 
 import os
@@ -41,9 +41,11 @@ import sys
 
 import torch
 
+from tests.support import exit_report
+
 
 def _old_step_end() -> None:
-    """train_step without the early receive; drain receiving it instead, as it used to."""
+    """train_step without the early receive; drain receives it instead."""
     from megatron_async.pipeline.executor import StageExecutor
 
     train_step, drain = StageExecutor.train_step, StageExecutor.drain
@@ -216,6 +218,8 @@ if __name__ == "__main__":
         from megatron.training import gpu_sniff_test
 
         gpu_sniff_test.run_gpu_sniff_test = _quick_sniff
+    if os.environ.get(exit_report.EXIT_REPORT_ENV):
+        exit_report.install()
     from megatron_async.launch import main
 
     sys.exit(main())

@@ -7,9 +7,8 @@ read at its own layout by one forked process per model-parallel rank (torch_form
 `torch.load` through Megatron's checkpoint names, then the model's `load_state_dict`), which
 save it as torch_dist for the same one-stage load.
 
-The weights taken are the model's own: the live version W(T), which Megatron evaluates. The
-2bw stash's older version (`weight_stash.slot*` in the optimizer's state) is read only when
-asked for by name (`version="stash"`), for the control that shows the difference.
+The weights taken are the model's own: the live version W(T), which Megatron evaluates,
+never the 2bw stash's older version (`weight_stash.slot*` in the optimizer's state).
 """
 
 from __future__ import annotations
@@ -101,46 +100,21 @@ def check_complete(directory: str, args) -> None:
         megatron_model.layout_args(args)  # the ranks that read it can build its layers
 
 
-def _stash_slot(directory: str) -> int:
-    """The stash slot holding the version before the live one."""
-    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-    stash = load_common_state_dict(directory).get("optimizer", {}).get("weight_stash")
-    if not stash or "slot_version" not in stash:
-        raise ExportError(f"--load: {directory} holds no sharded 2bw weight stash")
-    return stash["slot_version"].index(stash["newest"] - 1)
-
-
 @torch.no_grad()
-def _load(model, directory: str, version: str) -> None:
+def _load(model, directory: str) -> None:
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        make_sharded_optimizer_tensor,
-    )
 
     sharded = model.sharded_state_dict()
-    if version == "live":
-        model.load_state_dict(dist_checkpointing.load({"model": sharded}, directory)["model"], strict=True)
-        return
-    params = list(model.parameters())
-    by_index = get_param_id_to_sharded_param_map(sharded, params)
-    prefix = f"weight_stash.slot{_stash_slot(directory)}"
-    request = {i: make_sharded_optimizer_tensor(by_index[i], p.detach(), prefix) for i, p in enumerate(params)}
-    loaded = dist_checkpointing.load(request, directory)
-    for i, p in enumerate(params):
-        p.copy_(loaded[i])
+    model.load_state_dict(dist_checkpointing.load({"model": sharded}, directory)["model"], strict=True)
 
 
-def read_weights(directory: str, args, scratch: str, version: str = "live") -> dict[str, torch.Tensor]:
-    """The checkpoint's weights under Megatron's one-stage names (tensors only)."""
+def read_weights(directory: str, args, scratch: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's live weights under Megatron's one-stage names (tensors only)."""
     if not is_torch_dist(directory):
-        if version != "live":
-            raise ExportError("--load: the stash of a torch-format checkpoint is kept in per-rank files, not read here")
         from megatron_async.megatron_lm.export.torch_format_ranks import to_torch_dist
 
         directory = to_torch_dist(directory, args, scratch)
     megatron_model.start_process_group()
     model = megatron_model.build_model(megatron_model.model_config(megatron_model.one_stage_args(args)))
-    _load(model, directory, version)
+    _load(model, directory)
     return {key: value.detach().cpu() for key, value in model.state_dict().items() if isinstance(value, torch.Tensor)}

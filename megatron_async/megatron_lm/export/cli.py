@@ -30,10 +30,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def export(load: str, out: str, ckpt_step: int | None = None, tokenizer_model: str | None = None,
-           version: str = "live") -> dict:
-    """Export; returns what was written. `version="stash"` takes the 2bw stash's older weights
-    instead (a control for the tests, never what a user should load)."""
+def export(load: str, out: str, ckpt_step: int | None = None, tokenizer_model: str | None = None) -> dict:
+    """Export the live weights; returns what was written."""
     from megatron_async.megatron_lm.export import checkpoint_reader as reader
     from megatron_async.megatron_lm.export import hf_architecture, hf_folder, hf_weights, megatron_model
 
@@ -46,14 +44,14 @@ def export(load: str, out: str, ckpt_step: int | None = None, tokenizer_model: s
     tokenizer = hf_folder.tokenizer_model(args, tokenizer_model)
     reader.check_complete(directory, args)
     with tempfile.TemporaryDirectory(prefix="megatron-async-export-") as scratch:
-        weights = reader.read_weights(directory, args, scratch, version)
+        weights = reader.read_weights(directory, args, scratch)
     embeddings = weights["embedding.word_embeddings.weight"]
     hf_config = hf_architecture.hf_config(arch, args, config, embeddings.shape[0], embeddings.dtype,
                                           hf_folder.special_ids(tokenizer))
     state = hf_weights.hf_state_dict(arch, weights, config, expected_shapes(hf_config))
     hf_folder.write(out, hf_config, state, tokenizer)
     return {"directory": directory, "architecture": hf_architecture.CLASSES[arch], "out": os.path.abspath(out),
-            "tokenizer": tokenizer is not None, "version": version}
+            "tokenizer": tokenizer is not None}
 
 
 def expected_shapes(hf_config) -> dict:

@@ -3,8 +3,9 @@
 Called by the load hook (adapter/hooks.py) for the checkpoint `--load` resumes, against the
 checksums its marker recorded at save (checkpoint/checksums.py): a file whose bytes or size
 differ, or that is missing, is named with the previous complete checkpoint, in one line on
-every rank (exit 2). A checkpoint saved without checksums (by an older megatron-async, with
---no-checkpoint-checksums, or in --ckpt-format torch) loads, and rank 0 says so once.
+every rank (exit 2). A checkpoint whose marker records no checksums (saved with
+--no-checkpoint-checksums, in --ckpt-format torch, or by a megatron-async without checksums)
+loads, and rank 0 says so once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def verify_before_load(args) -> None:
     recorded = contents.get(KEY)
     if not recorded:
         why = (f"--ckpt-format {contents.get('ckpt_format')} takes none" if contents.get("ckpt_format") != "torch_dist"
-               else "saved by an older megatron-async or with --no-checkpoint-checksums")
+               else "saved with --no-checkpoint-checksums or by a megatron-async without checksums")
         _say(f"megatron-async: {directory} holds no checksums of its files ({why}): they are loaded unverified")
         return
     found, seconds, checked = agreed_problems(directory, recorded)

@@ -1,7 +1,7 @@
 """The GPU suite's resume check, shared by its 1- and 2-GPU forms: one run straight
 through, one saved at `saved_at` and resumed, and the same checkpoint resumed without
-its marker file (so without the stash and the EF state, as before such a resume was
-refused): the negative control."""
+its marker file (so without the stash and the EF state, through a test entry that lets
+such a resume through): the negative control."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.support.gpu.launch import DETERMINISTIC_ENV, read_metrics, tail, torc
 def _losses(tmp_path, base: list, nproc: int, timeout_s: float, name: str, extra: list,
             old_markerless: bool = False) -> list[float]:
     """`old_markerless`: through the test entry that resumes a checkpoint without its marker
-    as before such a resume was refused (with both weight versions equal)."""
+    instead of refusing it (with both weight versions equal)."""
     metrics = tmp_path / f"{name}.jsonl"
     env = {**DETERMINISTIC_ENV, **({"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"} if old_markerless else {})}
     module = "tests.support.step_end_entry" if old_markerless else "megatron_async.launch"

@@ -6,7 +6,7 @@ MEGATRON_ASYNC_TEST_SAVE_MEMORY=FILE: every `WeightStashManager.state_dict` call
 {"allocated", "peak_added", "stash_bytes"} to FILE (one JSON line), where peak_added is
 the GPU's peak during the call above what was allocated before it.
 MEGATRON_ASYNC_TEST_SAVE_CLONE=1: the save also clones each flat stash buffer on the GPU,
-as the former save did (the negative control).
+as a save on the stash's device would (the negative control).
 """
 
 import json
