@@ -1,36 +1,33 @@
-"""Every Megatron name the plugin hooks, in one place, and `install()`.
+"""Every Megatron name the plugin hooks, in one table, and `install()`.
 
-Each Hook names a module attribute that Megatron looks up at call time, the line
-of Megatron-Core 0.19.2 (= Megatron-LM core_r0.19.0, f8837c04) that calls it, and
-how it is wrapped. `install()` checks that every name exists before changing
-anything, and fails naming the missing one on another Megatron version.
-Nothing else in the project patches Megatron's training package. Besides these,
-`_train` registers forward hooks on an MoE model's TopKRouter modules
-(observability/moe_routing.py: tokens per expert, for --metrics-json).
+Each Hook (a megatron_async/patch_table.py Patch) names a module attribute that Megatron
+looks up at call time, the line of Megatron-Core 0.19.2 (= Megatron-LM core_r0.19.0,
+f8837c04) that calls it, how it is wrapped and its scope: every run, delayed runs only, or
+CPU only (outside its scope a hook calls Megatron's function unchanged). `install()` checks
+that every name exists before changing anything, and fails naming the missing one on
+another Megatron version; `uninstall()` puts Megatron's functions back. The other tables:
+the CUDA and NCCL emulation (cpu.py, cpu_nccl.py) and the optimizer patches of delayed
+runs (pipeline/optimizer_patches.py). Besides these, `_train` registers forward hooks on
+an MoE model's TopKRouter modules (observability/moe_routing.py: tokens per expert, for
+--metrics-json).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from megatron_async import patch_table
 from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_run, runtime
+from megatron_async.patch_table import Patch as Hook
+from megatron_async.patch_table import Scope
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
 from megatron_async.schedules.registry import delayed_runtime
 
-_INSTALLED: dict = {}
-
-
-@dataclass(frozen=True)
-class Hook:
-    module: str
-    name: str
-    called_at: str  # where Megatron calls it (megatron/..., 0.19.2)
-    wrap: Callable[[Callable], Callable]  # original -> replacement
+EVERY, DELAYED, CPU = Scope.EVERY_RUN, Scope.DELAYED, Scope.CPU
+_INSTALLED: list = []  # what install() replaced (patch_table.install), for uninstall()
 
 
 class MissingHookError(RuntimeError):
@@ -556,55 +553,65 @@ def _moe_metrics_sync(original):
 T = "megatron.training.training"
 A = "megatron.training.arguments"
 HOOKS = (
-    Hook(A, "add_megatron_arguments", "arguments.py:121 parse_args: every parser, --help", _add_megatron_arguments),
-    Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args),
-    Hook(A, "_print_args", "arguments.py:1904 validate_args: the argument dump", _print_args),
-    Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func),
+    Hook(A, "add_megatron_arguments", "arguments.py:121 parse_args: every parser, --help", _add_megatron_arguments,
+         EVERY),
+    Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args, EVERY),
+    Hook(A, "_print_args", "arguments.py:1904 validate_args: the argument dump", _print_args, EVERY),
+    Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func, EVERY),
     Hook(T, "get_megatron_optimizer", "training.py:2132 setup_model_and_optimizer (before load_checkpoint, 2199)",
-         _get_megatron_optimizer),
+         _get_megatron_optimizer, EVERY),
     Hook(T, "save_checkpoint", "training.py:3086 save_checkpoint_and_time (every save in train), 2181, 2273",
-         _save_checkpoint),
+         _save_checkpoint, EVERY),
     Hook("megatron.training.checkpointing", "get_rng_state", "checkpointing.py:645 save_checkpoint",
-         _get_rng_state),
+         _get_rng_state, DELAYED),
     Hook("megatron.core.dist_checkpointing", "save",
          "checkpointing.py:827 save_checkpoint (torch_dist; before every rank's barrier and rank 0's tracker)",
-         _dist_checkpointing_save),
+         _dist_checkpointing_save, DELAYED),
     Hook("megatron.training.checkpointing", "get_checkpoint_tracker_filename",
          "checkpointing.py:960 save_checkpoint (rank 0, after every rank saved, before the tracker is written)",
-         _checkpoint_tracker_filename),
-    Hook(T, "load_checkpoint", "training.py:2199 setup_model_and_optimizer", _load_checkpoint),
+         _checkpoint_tracker_filename, DELAYED),
+    Hook(T, "load_checkpoint", "training.py:2199 setup_model_and_optimizer", _load_checkpoint, EVERY),
     Hook("megatron.core.optimizer_param_scheduler:OptimizerParamScheduler", "_check_and_set",
-         "optimizer_param_scheduler.py:318, from load_state_dict when a checkpoint is loaded", _check_scheduler_value),
+         "optimizer_param_scheduler.py:318, from load_state_dict when a checkpoint is loaded", _check_scheduler_value,
+         EVERY),
     Hook(T, "logical_and_across_model_parallel_group", "training.py:2503 train_step: update_successful",
-         _stage_local_reduction),
+         _stage_local_reduction, DELAYED),
     Hook(T, "reduce_max_stat_across_model_parallel_group",
-         "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
+         "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction,
+         DELAYED),
     Hook("megatron.core.distributed.finalize_model_grads", "_allreduce_word_embedding_grads",
-         "finalize_model_grads.py:659 finalize_model_grads (tied embeddings, MTP)", _embedding_grads_all_reduce),
-    Hook(T, "train", "training.py:1423 pretrain", _train),
-    Hook(T, "train_step", "training.py:3856 train", _train_step),
-    Hook(T, "checkpoint_and_decide_exit", "training.py:4079 train", _checkpoint_and_decide_exit),
-    Hook(T, "training_log", "training.py:3985 train", _training_log),
-    Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results),
-    Hook(T, "evaluate", "training.py:4402 evaluate_and_print_results", _evaluate),
+         "finalize_model_grads.py:659 finalize_model_grads (tied embeddings, MTP)", _embedding_grads_all_reduce,
+         DELAYED),
+    Hook(T, "train", "training.py:1423 pretrain", _train, EVERY),
+    Hook(T, "train_step", "training.py:3856 train", _train_step, EVERY),
+    Hook(T, "checkpoint_and_decide_exit", "training.py:4079 train", _checkpoint_and_decide_exit, DELAYED),
+    Hook(T, "training_log", "training.py:3985 train", _training_log, EVERY),
+    Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results,
+         EVERY),
+    Hook(T, "evaluate", "training.py:4402 evaluate_and_print_results", _evaluate, EVERY),
     Hook(T, "build_train_valid_test_data_iterators", "training.py:1362 pretrain (CPU only: RNG kept)",
-         _build_data_iterators),
-    Hook(T, "initialize_megatron", "training.py:1091 pretrain (allow_no_cuda on CPU only)", _initialize_megatron),
+         _build_data_iterators, CPU),
+    Hook(T, "initialize_megatron", "training.py:1091 pretrain (allow_no_cuda on CPU only)", _initialize_megatron, CPU),
     Hook("megatron.core.datasets.utils", "compile_helpers", "initialize.py:178 _compile_dependencies",
-         _compile_helpers),
-    Hook(T, "set_jit_fusion_options", "training.py:1117 pretrain (skipped on CPU only)", _set_jit_fusion_options),
+         _compile_helpers, EVERY),
+    Hook(T, "set_jit_fusion_options", "training.py:1117 pretrain (skipped on CPU only)", _set_jit_fusion_options, CPU),
     Hook("megatron.core.transformer.moe.moe_logging:MoEMetricsTracker", "_sync_metrics",
-         "moe_logging.py:188 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_metrics_sync),
+         "moe_logging.py:188 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_metrics_sync, DELAYED),
     Hook("megatron.core.transformer.moe.moe_logging:MoEMetricsTracker", "_aggregate",
-         "moe_logging.py:191 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_aggregate),
+         "moe_logging.py:191 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_aggregate, EVERY),
 )
 
 
-def _resolve(path: str):
-    """A module, or a class in one ("package.module:Class")."""
-    module_name, _, class_name = path.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, class_name) if class_name else module
+PROCESS = (  # not Megatron's: the process the hooks run in
+    Hook("sys", "excepthook", "an uncaught refusal of ours: its one line and exit code where no launcher of ours "
+         "catches it (megatron_lm/safety/failures.py)", lambda previous: _excepthook_over(previous), EVERY),
+)
+
+
+def _excepthook_over(previous):
+    from megatron_async.megatron_lm.safety.failures import excepthook_over
+
+    return excepthook_over(previous)
 
 
 def install() -> None:
@@ -612,27 +619,25 @@ def install() -> None:
     the first hooked name this Megatron version lacks, before changing anything."""
     if _INSTALLED:
         return
-    modules = {}
-    for hook in HOOKS:
-        try:
-            module = modules.setdefault(hook.module, _resolve(hook.module))
-        except (ImportError, AttributeError) as err:
-            raise MissingHookError(f"megatron-async: cannot import {hook.module} ({err})") from None
-        if not hasattr(module, hook.name):
-            from megatron.core import __version__
+    try:
+        patch_table.check(HOOKS)
+    except patch_table.MissingTargetError as err:
+        hook = err.patch
+        if str(err).startswith("cannot import"):
+            raise MissingHookError(f"megatron-async: {err}") from None
+        from megatron.core import __version__
 
-            raise MissingHookError(
-                f"megatron-async: {hook.module}.{hook.name} (called at {hook.called_at} in megatron-core 0.19.2) "
-                f"does not exist in megatron-core {__version__}")
+        raise MissingHookError(
+            f"megatron-async: {hook.module}.{hook.name} (called at {hook.called_at} in megatron-core 0.19.2) "
+            f"does not exist in megatron-core {__version__}") from None
     if _INSTALLED:  # importing a patched megatron.training above installed them already
         return
-    for hook in HOOKS:
-        module = modules[hook.module]
-        original = getattr(module, hook.name)
-        _INSTALLED[(hook.module, hook.name)] = original
-        setattr(module, hook.name, hook.wrap(original))
+    patch_table.install(HOOKS + PROCESS, _INSTALLED)
     from megatron_async.megatron_lm.safety.launcher_watch import exit_with_launcher
-    from megatron_async.megatron_lm.safety.failures import install_excepthook
 
     exit_with_launcher()  # every entry installs the hooks: launch, the console scripts, a patched script
-    install_excepthook()  # our one line for a refusal where no launcher of ours catches it
+
+
+def uninstall() -> None:
+    """Megatron's functions (and the excepthook) back as they were before install()."""
+    patch_table.restore(_INSTALLED)
