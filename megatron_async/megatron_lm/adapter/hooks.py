@@ -234,34 +234,30 @@ def _moe_aggregate(original):
 
 
 def _save_checkpoint(original):
+    """Every run: the --save lock still names this job, and a disk that fills is one line of
+    ours. A delayed run's save is one DelayedSave (checkpoint/delayed_save.py), held on the
+    run while Megatron's save runs, for the hooks Megatron calls inside it."""
+
     @functools.wraps(original)
     def hooked(iteration, *args, **kwargs):
         from megatron.training import get_args
 
-        from megatron_async.megatron_lm.checkpoint import side_files
-        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir, contents_to_save, write_marker
-        from megatron_async.megatron_lm.checkpoint.optimizer_state import per_rank_state
-
-        root = get_args().save
+        from megatron_async.megatron_lm.checkpoint.delayed_save import DelayedSave
         from megatron_async.megatron_lm.safety.save_lock import check_before_save
 
+        root = get_args().save
         check_before_save(root, iteration)  # one writer per --save
         delayed = plugin_run.delayed()
         if delayed is None:
             return original(iteration, *args, **kwargs)
-        delayed.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
-        contents = contents_to_save(delayed)
-        if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
-            side_files.save(checkpoint_dir(root, iteration), per_rank_state(delayed))
-            write_marker(root, iteration, contents, create=True)
-        if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into:
-            delayed.marker_due = (root, iteration, contents)  # written when Megatron names its tracker
+        save = DelayedSave(delayed, root, iteration, persistent=not kwargs.get("non_persistent_ckpt", False))
+        save.before_megatron_writes()
+        delayed.saving = save
         try:
             result = original(iteration, *args, **kwargs)
         finally:
-            due, delayed.marker_due = delayed.marker_due, None
-        if due is not None:  # no tracker written on this rank (write_marker writes on rank 0 only)
-            write_marker(*due)
+            delayed.saving = None
+        save.after_megatron_returned()
         return result
 
     from megatron_async.megatron_lm.safety.full_disk import named_when_the_disk_fills
@@ -269,52 +265,39 @@ def _save_checkpoint(original):
     return named_when_the_disk_fills(hooked)  # a disk that fills during the save: one line of ours
 
 
+def _saving():
+    """The delayed run's save under way (checkpoint/delayed_save.py), None outside one."""
+    delayed = plugin_run.delayed()
+    return delayed.saving if delayed is not None else None
+
+
 def _dist_checkpointing_save(original):
-    """torch_dist, a delayed run's save: once Megatron's save returned on every rank (this rank's
-    files are whole), each rank hashes the files it wrote and rank 0 adds the checksums to the
-    marker written when Megatron names its tracker (checkpoint/checksums.py)."""
+    """torch_dist: once Megatron's synchronous save returned on every rank, the save's
+    checksums (DelayedSave.after_every_rank_wrote)."""
 
     @functools.wraps(original)
     def hooked(sharded_state_dict, checkpoint_dir, *args, **kwargs):
         result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        delayed = plugin_run.delayed()
-        due = delayed.marker_due if delayed is not None else None
-        if due is None or result is not None:  # nothing of ours, or an asynchronous save still writing
-            return result
-        import os
+        save = _saving()
+        if save is not None and result is None:  # an asynchronous save is still writing
+            from megatron.training import get_args
 
-        from megatron.training import get_args
-
-        from megatron_async.megatron_lm.checkpoint import checksums
-        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir as directory_of
-
-        if get_args().no_checkpoint_checksums or (
-                os.path.realpath(checkpoint_dir) != os.path.realpath(directory_of(due[0], due[1]))):
-            return result
-        recorded = checksums.gather(checkpoint_dir)
-        if recorded is not None:  # rank 0
-            delayed.marker_due = (due[0], due[1], {**due[2], checksums.KEY: recorded})
+            save.after_every_rank_wrote(checkpoint_dir, with_checksums=not get_args().no_checkpoint_checksums)
         return result
 
     return hooked
 
 
 def _checkpoint_tracker_filename(original):
-    """Rank 0 names the tracker file once every rank has saved, right before writing it: a
-    pending torch_dist marker is written there, so no tracker ever names a 2bw checkpoint
-    without it (a node lost between the two writes leaves the previous checkpoint tracked)."""
+    """Rank 0 names the tracker file once every rank has saved, right before writing it:
+    the save's torch_dist marker is written there (DelayedSave.at_the_tracker), so no
+    tracker ever names a 2bw checkpoint without it."""
 
     @functools.wraps(original)
     def hooked(checkpoints_path):
-        import os
-
-        delayed = plugin_run.delayed()
-        due = delayed.marker_due if delayed is not None else None
-        if due is not None and os.path.realpath(due[0]) == os.path.realpath(checkpoints_path):
-            from megatron_async.megatron_lm.checkpoint.marker import write_marker
-
-            delayed.marker_due = None
-            write_marker(*due)
+        save = _saving()
+        if save is not None:
+            save.at_the_tracker()
         return original(checkpoints_path)
 
     return hooked

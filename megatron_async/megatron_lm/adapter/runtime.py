@@ -81,7 +81,7 @@ class DelayedRun:
         self.optimizer = None
         self.resumed: dict = {}
         self.stop = None
-        self.marker_due = None  # a torch_dist marker written when Megatron names its tracker
+        self.saving = None  # the save under way, while Megatron's save_checkpoint runs (checkpoint/delayed_save.py)
         self.rank_only_group = None  # under 2bw with MoE: the "pipeline group" of Megatron's MoE metrics
         self.rng = RngSnapshots()  # the RNG state a checkpoint saves (checkpoint/saved_rng.py)
 
