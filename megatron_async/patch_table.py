@@ -7,8 +7,8 @@ every target first so that a missing one changes nothing, and records what it re
 `restore` puts back exactly what was there before, in reverse order.
 
 The tables: the Megatron hooks (megatron_lm/adapter/hooks.py), the CUDA emulation
-(cpu.py), the NCCL emulation (cpu_nccl.py) and the optimizer patches of delayed runs
-(pipeline/optimizer_patches.py). tests/test_hook_scope.py compares every function in the
+(cpu.py), the NCCL emulation (cpu_nccl.py) and the patches of delayed runs
+(pipeline/delayed_run_patches.py: the optimizer's, the stop agreement's). tests/test_hook_scope.py compares every function in the
 touched namespaces before and after installing them.
 """
 

@@ -13,13 +13,15 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from megatron_async import cpu, launch, patch_table
 from megatron_async.megatron_lm.adapter import hooks
-from megatron_async.pipeline import grad_stats, optimizer_patches
+from megatron_async.pipeline import delayed_run_patches, grad_stats
 from megatron_async.pipeline.stale_global import StaleGlobalNorm
+from megatron_async.pipeline.stop_agreement import StopAgreement
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("torch.cuda", "torch.distributed", "torch.autograd", "torch.overrides", "megatron")
@@ -85,7 +87,7 @@ def _nothing_installed():
     had_hooks, had_cpu = bool(hooks._INSTALLED), cpu.is_active()
     hooks.uninstall()
     cpu.deactivate()
-    for table in (_all_tables(), optimizer_patches.OPTIMIZER_PATCHES):  # import every target first
+    for table in (_all_tables(), delayed_run_patches.DELAYED_RUN_PATCHES):  # import every target first
         patch_table.check([p for p in table if not p.module.startswith("<")])
     try:
         yield
@@ -133,13 +135,14 @@ def test_a_plain_1f1b_run_through_the_launcher_changes_what_its_scopes_say():
         assert changed == _declared(applied)
         assert {p.scope for p in applied} == ({patch_table.Scope.EVERY_RUN, patch_table.Scope.DELAYED}
                                               | ({patch_table.Scope.CPU} if on_cpu else set()))
-        optimizer = _declared([p for p in optimizer_patches.OPTIMIZER_PATCHES if not p.module.startswith("<")])
+        optimizer = _declared([p for p in delayed_run_patches.DELAYED_RUN_PATCHES if not p.module.startswith("<")])
         assert optimizer and not optimizer & changed
 
 
-def test_the_optimizer_patches_last_as_long_as_their_run_needs_them():
+def test_the_delayed_run_patches_last_as_long_as_their_run_needs_them():
     """The stale global norm replaces Megatron's norm function for one step only; the stage
-    groups and the layer-wise optimizer's class are restored by what their installs return."""
+    groups and the layer-wise optimizer's class are restored by what their installs return,
+    Megatron's --exit-duration-in-mins when the stop agreement settles."""
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
     with _nothing_installed():
@@ -147,12 +150,12 @@ def test_the_optimizer_patches_last_as_long_as_their_run_needs_them():
         before = _snapshot(owners)
         with StaleGlobalNorm(pipeline_group=None).step():
             inside = _snapshot(owners)
-        assert _changed(before, inside) == _declared([optimizer_patches.STALE_GLOBAL_NORM])
+        assert _changed(before, inside) == _declared([delayed_run_patches.STALE_GLOBAL_NORM])
         assert not _changed(before, _snapshot(owners))
 
         installed = grad_stats.clip_like_pipeline_stages([], num_layers=4, num_stages=3)
         assert mcore_optimizer.SEPARATE_GRAD_NORM_GROUPS[-2:] == ("pipeline-stage-1", "pipeline-stage-2")
-        assert _changed(before, _snapshot(owners)) == _declared([optimizer_patches.STAGE_NORM_GROUPS])
+        assert _changed(before, _snapshot(owners)) == _declared([delayed_run_patches.STAGE_NORM_GROUPS])
         patch_table.restore(installed)
         assert not _changed(before, _snapshot(owners))
 
@@ -160,11 +163,19 @@ def test_the_optimizer_patches_last_as_long_as_their_run_needs_them():
             pass
 
         optimizer, installed = Optimizer(), []
-        patch_table.install((optimizer_patches.STAGE_LOCAL_STATISTICS,), installed, {"<optimizer>": optimizer})
+        patch_table.install((delayed_run_patches.STAGE_LOCAL_STATISTICS,), installed, {"<optimizer>": optimizer})
         assert type(optimizer).__bases__ == (Optimizer,) and isinstance(optimizer, Optimizer)
         assert not _changed(before, _snapshot(owners))
         patch_table.restore(installed)
         assert type(optimizer) is Optimizer
+
+        args = SimpleNamespace(exit_duration_in_mins=5.0, exit_signal_handler=False)
+        agreement = StopAgreement(group=None, device=torch.device("cpu"))
+        agreement.take_over(args)
+        assert args.exit_duration_in_mins is None and agreement.duration_mins == 5.0
+        assert not _changed(before, _snapshot(owners))
+        agreement.settle()
+        assert args.exit_duration_in_mins == 5.0
 
 
 def test_a_missing_target_changes_nothing():
@@ -200,8 +211,8 @@ def _markdown() -> str:
                 ("CUDA emulation (cpu.py `tables()`, without the NCCL part)",
                  tuple(p for p in cpu.tables() if p not in cpu._tables()[1])),
                 ("NCCL emulation (cpu_nccl.py `patches()`)", cpu._tables()[1]),
-                ("Optimizer patches of delayed runs (pipeline/optimizer_patches.py)",
-                 optimizer_patches.OPTIMIZER_PATCHES)]
+                ("Patches a delayed run installs for its length (pipeline/delayed_run_patches.py)",
+                 delayed_run_patches.DELAYED_RUN_PATCHES)]
     lines = [BEGIN]
     for title, table in sections:
         lines += ["", f"### {title}", "", "| target | scope | called at, and why | restore |", "| --- | --- | --- | --- |"]

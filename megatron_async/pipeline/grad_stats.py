@@ -15,7 +15,7 @@ points each (sub-)optimizer at the ranks of its own stage instead:
   with --use-distributed-optimizer): the same ranks, since each DP rank owns whole
   parameters. It reduces over all ranks (group=None) in its own methods, which a
   subclass (`_StageLocalStatistics` mixed into the optimizer's class) points at the stage
-  (its STAGE_LOCAL_STATISTICS entry of the optimizer patches, pipeline/optimizer_patches.py).
+  (its STAGE_LOCAL_STATISTICS entry of the delayed-run patches, pipeline/delayed_run_patches.py).
 
 Clipping with `--clip-grad` then uses the stage's own gradient norm
 (`--clip-grad-mode stage-local`).

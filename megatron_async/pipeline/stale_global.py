@@ -9,7 +9,7 @@ previous global norm and clips by its stage-local norm.
 
 It plugs into Megatron's optimizer at its one norm function
 (`get_grad_norm_fp32` in megatron.core.optimizer.optimizer, its STALE_GLOBAL_NORM entry of the
-optimizer patches, pipeline/optimizer_patches.py, installed for the length of one step): every call inside a
+delayed-run patches, pipeline/delayed_run_patches.py, installed for the length of one step): every call inside a
 step is answered with the stale global value of the same call one step earlier,
 so chained optimizers with several norm groups each get their own.
 """

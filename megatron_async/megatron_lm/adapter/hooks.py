@@ -6,8 +6,8 @@ f8837c04) that calls it, how it is wrapped and its scope: every run, delayed run
 CPU only (outside its scope a hook calls Megatron's function unchanged). `install()` checks
 that every name exists before changing anything, and fails naming the missing one on
 another Megatron version; `uninstall()` puts Megatron's functions back. The other tables:
-the CUDA and NCCL emulation (cpu.py, cpu_nccl.py) and the optimizer patches of delayed
-runs (pipeline/optimizer_patches.py). Besides these, `_train` registers forward hooks on
+the CUDA and NCCL emulation (cpu.py, cpu_nccl.py) and the patches a delayed run installs
+for its length (pipeline/delayed_run_patches.py). Besides these, `_train` registers forward hooks on
 an MoE model's TopKRouter modules (observability/moe_routing.py: tokens per expert, for
 --metrics-json).
 """
@@ -356,39 +356,52 @@ def _load_checkpoint(original):
 def _checkpoint_and_decide_exit(original):
     """Under 2bw, --exit-signal-handler and --exit-duration-in-mins stop every rank at one
     iteration agreed through pipeline/stop_agreement.py, not Megatron's blocking gather
-    over all ranks each iteration; Megatron's own saves and --exit-interval are unchanged."""
+    over all ranks each iteration (its checks answer no under the agreement:
+    _signals_received, StopAgreement.take_over); Megatron's own saves and --exit-interval
+    are unchanged."""
 
     @functools.wraps(original)
-    def hooked(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
+    def hooked(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
+               checkpointing_context, train_data_iterator):
         from megatron.training import get_args
 
         margs = get_args()
         delayed = plugin_run.delayed(margs)
         agreement = delayed.stop if delayed is not None else None
+        if original(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
+                    checkpointing_context, train_data_iterator):
+            return True  # DelayedRun.finish settles the agreement
         if agreement is None:
-            return original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs)
-        own = margs.exit_signal_handler, margs.exit_duration_in_mins
-        margs.exit_signal_handler, margs.exit_duration_in_mins = False, None
-        try:
-            if original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
-                return True  # DelayedRun.finish settles the agreement
-        finally:
-            margs.exit_signal_handler, margs.exit_duration_in_mins = own
-        code, posted = agreement.after_iteration(iteration, runtime.local_stop_code(margs))
+            return False
+        code, posted = agreement.after_iteration(iteration, agreement.own_code(margs))
         if not code:
             return False
         from megatron.training import training
         from megatron_async.pipeline.stop_agreement import REASONS
 
         if margs.save and not (margs.save_interval and iteration % margs.save_interval == 0):
-            flops, checkpointing_context, train_data_iterator = rest[:3]
-            training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, flops,
-                                              checkpointing_context, train_data_iterator=train_data_iterator)
+            training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                              num_floating_point_operations_so_far, checkpointing_context,
+                                              train_data_iterator=train_data_iterator)
         if torch.distributed.get_rank() == 0:
             print(f"megatron-async: stopping after iteration {iteration}, agreed by every rank: {REASONS[code]} "
                   f"(seen after iteration {posted})", flush=True)
             runtime.note_early_stop(iteration, REASONS[code], bool(margs.save))
         return True
+
+    return hooked
+
+
+def _signals_received(original):
+    """Megatron's signal check, an all-gather over every rank each iteration: under a stop
+    agreement it answers that no rank got a signal, and the agreement decides."""
+
+    @functools.wraps(original)
+    def hooked(self):
+        delayed = plugin_run.delayed()
+        if delayed is not None and delayed.stop is not None:
+            return [False]
+        return original(self)
 
     return hooked
 
@@ -568,6 +581,8 @@ HOOKS = (
     Hook(T, "train", "training.py:1423 pretrain", _train, EVERY),
     Hook(T, "train_step", "training.py:3856 train", _train_step, EVERY),
     Hook(T, "checkpoint_and_decide_exit", "training.py:4079 train", _checkpoint_and_decide_exit, DELAYED),
+    Hook("megatron.training.dist_signal_handler:DistributedSignalHandler", "signals_received",
+         "training.py:3249 checkpoint_and_decide_exit (--exit-signal-handler)", _signals_received, DELAYED),
     Hook(T, "training_log", "training.py:3985 train", _training_log, EVERY),
     Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results,
          EVERY),
