@@ -178,6 +178,39 @@ def test_the_delayed_run_patches_last_as_long_as_their_run_needs_them():
         assert args.exit_duration_in_mins == 5.0
 
 
+# a call of each hook that acts only in delayed runs or on the CPU, as Megatron makes it
+OUT_OF_SCOPE_CALLS = {
+    "get_rng_state": ("torch_dist", None, None), "save": ({}, "/nowhere/iter_0000001"),
+    "get_checkpoint_tracker_filename": ("/nowhere",), "logical_and_across_model_parallel_group": (True,),
+    "reduce_max_stat_across_model_parallel_group": (1.5,), "_allreduce_word_embedding_grads": ("model", "config"),
+    "checkpoint_and_decide_exit": ("model", "optimizer", "scheduler", 7, 1e12, {}, "iterator"),
+    "signals_received": ("handler",), "_sync_metrics": ("tracker", ["load_balancing_loss"], "groups"),
+    "build_train_valid_test_data_iterators": ("provider",), "initialize_megatron": (), "set_jit_fusion_options": (),
+}
+
+
+def test_outside_their_scope_the_hooks_call_megatrons_function_unchanged(monkeypatch):
+    """A 1F1B run on a GPU: every delayed-only and CPU-only hook hands Megatron's function the
+    caller's arguments and returns its answer (for the exit decision: the same yes or no)."""
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(pipeline_schedule="1f1b", simulated_delay=0))
+    with _nothing_installed():
+        scoped = [h for h in hooks.HOOKS if h.scope is not patch_table.Scope.EVERY_RUN]
+        assert {h.name for h in scoped} == set(OUT_OF_SCOPE_CALLS)
+        for hook in scoped:
+            for answer in (False, True, object()):
+                calls = []
+
+                def megatron(*args, **kwargs):
+                    calls.append(list(args) + [v for v in kwargs.values() if v is not None])
+                    return answer
+
+                result = hook.wrap(megatron)(*OUT_OF_SCOPE_CALLS[hook.name])
+                assert calls == [list(OUT_OF_SCOPE_CALLS[hook.name])], hook.name
+                assert result is answer or hook.name == "checkpoint_and_decide_exit" and result is bool(answer)
+
+
 def test_a_missing_target_changes_nothing():
     """The installer checks every target before it changes any (a control for the comparison:
     a table that names a missing attribute is refused whole)."""
