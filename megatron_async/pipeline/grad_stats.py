@@ -159,7 +159,7 @@ def stage_of_parameter(name: str, num_layers: int, num_stages: int) -> int:
     return num_stages - 1  # final layernorm, output layer
 
 
-def clip_like_pipeline_stages(model, num_layers: int, num_stages: int) -> None:
+def clip_like_pipeline_stages(model, num_layers: int, num_stages: int) -> list:
     """Make an unpipelined model clip each would-be stage by its own gradient norm.
 
     With `--simulated-delay` this reproduces `--clip-grad-mode stage-local` of a
