@@ -10,7 +10,8 @@ and the pipeline schedules work in CPU smoke runs and CI.
 
 It is activated explicitly (``activate()``, ``--device cpu``) or by ``auto`` when CUDA
 is absent, and refuses to activate when CUDA is present: nothing here ever changes a
-GPU run. Each patch names the Megatron-Core code that needs it.
+GPU run. Each patch is an entry of a table (`tables()`, megatron_async/patch_table.py) that
+names the code calling it; `deactivate()` undoes them all.
 
 Shipped in the wheel because user-facing commands need it on a machine without CUDA,
 where they call ``setup_device("auto")``: the launcher (``python -m megatron_async.launch``,
@@ -26,19 +27,20 @@ test harness (tests/support/) activates it too, but is not what keeps it in the 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-import sys
+import functools
 import types
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_async import cpu_nccl
+from megatron_async import cpu_nccl, patch_table
+from megatron_async.patch_table import Patch, Scope
 
+CPU = Scope.CPU
 _ACTIVE = False
 _MODE: "CudaToCpuMode | None" = None
+_INSTALLED: list = []  # what activate() replaced (patch_table.install), for deactivate()
 
 # Tensor.type() names that Megatron compares against (clip_grads.py,
 # optimizer.py, distrib_optimizer.py all assert on 'torch.cuda.*Tensor').
@@ -183,11 +185,8 @@ class _DeviceCtx:
         return False
 
 
-EXIT_REPORT_ENV = "MEGATRON_ASYNC_EXIT_REPORT"  # a folder: each rank writes rank<R>.json at exit
 SEND_WAIT_ENV = cpu_nccl.SEND_WAIT_ENV
-UnreceivedSendError = cpu_nccl.DeviceWaitError
 _NCCL = cpu_nccl.EmulatedNccl()  # this process's emulated device and communicators
-_EXIT_REPORTED = False
 
 
 def outstanding_sends() -> int:
@@ -203,108 +202,92 @@ def _empty_cache() -> None:
     _NCCL.wait_all("torch.cuda.empty_cache")
 
 
-def write_exit_report() -> None:
-    """With MEGATRON_ASYNC_EXIT_REPORT=DIR: this rank's sends left unwaited at exit, for
-    tests (the launcher calls it last; atexit too, for entries that exit otherwise)."""
-    import json
-
-    global _EXIT_REPORTED
-    folder = os.environ.get(EXIT_REPORT_ENV)
-    if not folder or _EXIT_REPORTED:  # the first report is the one before the process group goes
-        return
-    _EXIT_REPORTED = True
-    rank = os.environ.get("RANK", "0")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as out:
-        json.dump({"rank": int(rank), "outstanding_sends": outstanding_sends()}, out)
-
-
-def _patch_distributed() -> None:
-    """NCCL's device work and communicator creation on gloo (cpu_nccl.py), and the exit report."""
-    import atexit
-
-    cpu_nccl.install(_NCCL)
-    atexit.register(write_exit_report)
-
-
-def _cuda_patches() -> dict[str, Any]:
-    """Replacements for torch.cuda functions Megatron calls, keyed by attribute name."""
-    return {
-        # parallel_state, DDP buffers, tensor_parallel layers: device placement.
-        "current_device": lambda: 0,
-        "device_count": lambda: 1,
-        "set_device": lambda device: None,
-        "device": _DeviceCtx,
-        # training loops, timers, checkpointing: ordering with the host, and with every
-        # send, receive and collective posted, which a whole-device wait waits for (cpu_nccl.py).
-        "synchronize": _synchronize,
-        "empty_cache": _empty_cache,
-        # MoE dispatchers, DDP overlap, distributed optimizer: streams and events.
-        "Event": _Event,
-        "Stream": _Stream,
-        "current_stream": lambda device=None: _DEFAULT_STREAM,
-        "default_stream": lambda device=None: _DEFAULT_STREAM,
-        "stream": _stream_ctx,
-        # tensor_parallel.random (RNG tracker, model_parallel_cuda_manual_seed):
-        # the "CUDA" generator is the CPU default generator.
-        # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the
-        # generator directly to avoid recursing.)
-        "get_rng_state": lambda device="cuda": torch.default_generator.get_state(),
-        "set_rng_state": lambda new_state, device="cuda": torch.default_generator.set_state(new_state),
-        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)) and None,
-        "manual_seed_all": lambda seed: None,
-        "seed": lambda: None,
-        "seed_all": lambda: None,
-        "initial_seed": lambda: torch.default_generator.initial_seed(),
-        # memory reports in Megatron's training utilities.
-        "memory_allocated": lambda device=None: 0,
-        "max_memory_allocated": lambda device=None: 0,
-        "memory_reserved": lambda device=None: 0,
-        "max_memory_reserved": lambda device=None: 0,
-        "reset_peak_memory_stats": lambda device=None: None,
-        "get_device_capability": lambda device=None: (0, 0),
-        # Megatron's validate_args reads the architecture (major) with TP > 1
-        "get_device_properties": lambda device=None: _EMULATED_PROPERTIES,
-        "get_device_name": lambda device=None: "cpu (cuda emulation)",
-    }
+def _cuda_patches() -> list:
+    """Replacements for the torch.cuda functions Megatron calls: (name, value, who calls it)."""
+    placement = "device placement: parallel_state, DDP buffers, tensor_parallel layers"
+    # with every send, receive and collective posted, which a whole-device wait waits for (cpu_nccl.py)
+    waits = "ordering with the host and every posted operation: training loops, timers, checkpointing"
+    streams = "streams and events: MoE dispatchers, DDP overlap, the distributed optimizer"
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: the generator is seeded directly
+    rng = "tensor_parallel.random (RNG tracker, model_parallel_cuda_manual_seed): the CPU default generator"
+    memory = "memory reports in Megatron's training utilities"
+    return [
+        ("current_device", lambda: 0, placement),
+        ("device_count", lambda: 1, placement),
+        ("set_device", lambda device: None, placement),
+        ("device", _DeviceCtx, placement),
+        ("synchronize", _synchronize, waits),
+        ("empty_cache", _empty_cache, waits),
+        ("Event", _Event, streams),
+        ("Stream", _Stream, streams),
+        ("current_stream", lambda device=None: _DEFAULT_STREAM, streams),
+        ("default_stream", lambda device=None: _DEFAULT_STREAM, streams),
+        ("stream", _stream_ctx, streams),
+        ("get_rng_state", lambda device="cuda": torch.default_generator.get_state(), rng),
+        ("set_rng_state", lambda new_state, device="cuda": torch.default_generator.set_state(new_state), rng),
+        ("manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)) and None, rng),
+        ("manual_seed_all", lambda seed: None, rng),
+        ("seed", lambda: None, rng),
+        ("seed_all", lambda: None, rng),
+        ("initial_seed", lambda: torch.default_generator.initial_seed(), rng),
+        ("memory_allocated", lambda device=None: 0, memory),
+        ("max_memory_allocated", lambda device=None: 0, memory),
+        ("memory_reserved", lambda device=None: 0, memory),
+        ("max_memory_reserved", lambda device=None: 0, memory),
+        ("reset_peak_memory_stats", lambda device=None: None, memory),
+        ("get_device_capability", lambda device=None: (0, 0), "architecture checks"),
+        ("get_device_properties", lambda device=None: _EMULATED_PROPERTIES,
+         "Megatron's validate_args reads the architecture (major) with TP > 1"),
+        ("get_device_name", lambda device=None: "cpu (cuda emulation)", "device reports"),
+    ]
 
 
 _EMULATED_PROPERTIES = types.SimpleNamespace(name="cpu (cuda emulation)", major=0, minor=0, total_memory=0,
                                              multi_processor_count=1)
 
 
-def _patch_rng_tracker() -> None:
+def _set_cuda_rng_state(original):
     """Megatron's CUDA RNG tracker calls _set_cuda_rng_state, which indexes
     torch.cuda.default_generators; on the CPU the state is the CPU generator's."""
-    from megatron.core.tensor_parallel import random as mp_random
 
-    def _set_state(new_state, device=-1, graph_safe=False):
+    def set_state(new_state, device=-1, graph_safe=False):
         torch.default_generator.set_state(new_state)
 
-    def _get_state(device="cuda", clone=False, graph_safe=False):
+    return set_state
+
+
+def _get_cuda_rng_state(original):
+    def get_state(device="cuda", clone=False, graph_safe=False):
         return torch.default_generator.get_state()
 
-    mp_random._set_cuda_rng_state = _set_state
-    if hasattr(mp_random, "_get_cuda_rng_state"):
-        mp_random._get_cuda_rng_state = _get_state
-    # tracker.fork() warns when the CPU RNG changes inside a CUDA RNG fork; here the
-    # CUDA RNG *is* the CPU RNG, so that warning is expected and only noise.
-    logging.getLogger(mp_random.__name__).addFilter(
-        lambda record: "CPU RNG state changed" not in record.getMessage()
-    )
+    return original if original is patch_table.ABSENT else get_state
 
 
-def _patch_torch_norm_for_sequence_parallel() -> None:
+def _quiet_rng_fork_warning(owner):
+    """tracker.fork() warns when the CPU RNG changes inside a CUDA RNG fork; here the
+    CUDA RNG *is* the CPU RNG, so that warning is expected and only noise."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def quiet(record):
+        return "CPU RNG state changed" not in record.getMessage()
+
+    owner.getLogger(mp_random.__name__).addFilter(quiet)
+    return quiet
+
+
+def _loud_rng_fork_warning(owner, quiet) -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    owner.getLogger(mp_random.__name__).removeFilter(quiet)
+
+
+def _torch_norm_for_sequence_parallel(original):
     """Without apex, Megatron's local layer spec normalises with torch's LayerNorm or
     RMSNorm, which refuse sequence parallelism only because nothing marks their weights
     (apex's norms do). Build the same torch norm and mark its parameters
     `sequence_parallel`, so finalize_model_grads all-reduces their gradients over the
     tensor-parallel group, as on GPUs."""
     import copy
-
-    from megatron.core.transformer import torch_norm
-
-    original = torch_norm.WrappedTorchNorm.__new__
 
     def new(cls, config, hidden_size, *args, **kwargs):
         if not config.sequence_parallel:
@@ -316,27 +299,21 @@ def _patch_torch_norm_for_sequence_parallel() -> None:
             param.sequence_parallel = True
         return norm
 
-    torch_norm.WrappedTorchNorm.__new__ = new
+    return new
 
 
-def _patch_missing_te_names() -> None:
+def _missing_te_general_gemm(original):
     """megatron-core 0.19.2 imports `te_general_gemm` from its TE extension in
     moe_utils; without Transformer Engine the name may be absent. Define it as None
     so MoE routing takes its plain-PyTorch path."""
-    from megatron.core.extensions import transformer_engine as te_ext
-
-    if not hasattr(te_ext, "te_general_gemm"):
-        te_ext.te_general_gemm = None
+    return None if original is patch_table.ABSENT else original
 
 
-def _patch_autograd_backward() -> None:
+def _backward_in_mode(original):
     """Torch function modes are not active while autograd runs a custom Function's
     backward. Megatron's backward passes allocate with device=current_device()
     (tensor_parallel.mappings gather/scatter, MoE all-to-all), so re-enter the
     mode around every custom backward."""
-    from torch.autograd.function import BackwardCFunction
-
-    original = BackwardCFunction.apply
 
     def apply_on_cpu(self, *args):
         if torch._C._len_torch_function_stack() > 0:
@@ -344,62 +321,53 @@ def _patch_autograd_backward() -> None:
         with _MODE:
             return original(self, *args)
 
-    BackwardCFunction.apply = apply_on_cpu
+    return apply_on_cpu
 
 
-def _patch_moe_host_copies() -> None:
+def _enter_cuda_to_cpu_mode(owner):
+    global _MODE
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+    return _MODE
+
+
+def _leave_cuda_to_cpu_mode(owner, mode) -> None:
+    global _MODE
+    if torch._C._len_torch_function_stack() == 0 or torch.overrides._get_current_function_mode() is not mode:
+        raise RuntimeError("megatron-async: the CUDA emulation's torch function mode is not the innermost one")
+    mode.__exit__(None, None, None)
+    _MODE = None
+
+
+def _moe_host_copies(original):
     """The MoE all-to-all dispatcher copies its split sizes to the host with
     maybe_move_tensor_to_cpu(as_numpy=True), which does nothing unless
     `tensor.is_cuda`; on the CPU the sizes would stay tensors, which gloo's
     all_to_all_single rejects. Convert them on the CPU too."""
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     def to_host(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor) and as_numpy:
             return tensor.detach().cpu().numpy()
         return tensor
 
-    moe_utils.maybe_move_tensor_to_cpu = to_host
-    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
-        token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    return original if original is patch_table.ABSENT else to_host
 
 
-class _DoneWork:
-    """What an async collective returns when it already ran to completion."""
+def _without_apex_or_te(make):
+    """A DistributedOptimizer method replaced only where Megatron wraps torch's Adam (no
+    Transformer Engine, no apex) and its `step` handling fails to resume."""
 
-    def wait(self, timeout=None) -> bool:
-        return True
+    @functools.wraps(make)
+    def wrap(original):
+        from megatron.core.optimizer import distrib_optimizer
 
-    def is_completed(self) -> bool:
-        return True
+        return original if distrib_optimizer.HAVE_APEX_OR_TE else make(original)
 
-
-def _patch_uneven_all_gather() -> None:
-    """gloo's all_gather requires equal sizes; NCCL accepts unequal ones, and
-    Megatron's LayerWiseDistributedOptimizer.allgather_params relies on it (each
-    data-parallel rank gathers the whole parameters it owns, of different sizes).
-    Pad every input to the largest size, gather, and trim each output."""
-    import torch.distributed as dist
-
-    plain = dist.all_gather
-
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        sizes = [t.numel() for t in tensor_list]
-        if len(set(sizes)) <= 1:
-            return plain(tensor_list, tensor, group=group, async_op=async_op)
-        longest = max(sizes)
-        source = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
-        source[: tensor.numel()] = tensor.reshape(-1)
-        padded = [torch.empty_like(source) for _ in sizes]
-        plain(padded, source, group=group)
-        for out, full, size in zip(tensor_list, padded, sizes):
-            out.view(-1).copy_(full[:size])
-        return _DoneWork() if async_op else None
-
-    dist.all_gather = all_gather
+    return wrap
 
 
-def _patch_distributed_optimizer_step() -> None:
+@_without_apex_or_te
+def _adam_state_dict(original):
     """Megatron-Core 0.19.2's distributed optimizer cannot resume from its own checkpoint
     in a CPU run, for reasons GPU runs (Transformer Engine's FusedAdam, bf16) do not meet.
 
@@ -418,38 +386,44 @@ def _patch_distributed_optimizer_step() -> None:
     copies), and the DP-reshardable and torch-format loaders copy into them with autograd
     on, which torch refuses for a view of a leaf that requires grad; here that copy runs
     under no_grad, as Megatron's other loaders do."""
-    from megatron.core.optimizer import distrib_optimizer as dopt
-
-    if dopt.HAVE_APEX_OR_TE:
-        return
-    cls = dopt.DistributedOptimizer
-    original_state_dict, original_load = cls.state_dict, cls.load_state_dict
-    original_set_states = cls._set_main_param_and_optimizer_states
 
     def state_dict(self):
         inner = self.optimizer
         if len(inner.state) or not isinstance(inner, torch.optim.Optimizer):
-            return original_state_dict(self)
+            return original(self)
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param]["step"] = torch.tensor(0.0)
         try:
-            return original_state_dict(self)
+            return original(self)
         finally:
             inner.state.clear()
 
+    return state_dict
+
+
+@_without_apex_or_te
+def _adam_load_state_dict(original):
+    """Each parameter its own copy of the loaded `step` (torch's Adam increments it in place)."""
+
     def load_state_dict(self, state_dict):
-        original_load(self, state_dict)
+        original(self, state_dict)
         for state in self.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
 
+    return load_state_dict
+
+
+@_without_apex_or_te
+def _adam_set_states(original):
+    """The parameter-state copy leaves `step` alone, and runs under no_grad."""
+
     @torch.no_grad()
     def set_main_param_and_optimizer_states(self, model_param, tensors):
-        original_set_states(self, model_param, {**tensors, "step": None})  # not a tensor: not copied
+        original(self, model_param, {**tensors, "step": None})  # not a tensor: not copied
 
-    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
-    cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    return set_main_param_and_optimizer_states
 
 
 FUSED_WGRAD_MODULE = "fused_weight_gradient_mlp_cuda"
@@ -482,52 +456,135 @@ def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, 
     main_grad.copy_(total)
 
 
-def _provide_fused_wgrad_kernel() -> None:
+def _fused_wgrad_wanted() -> bool:
+    from megatron.core.tensor_parallel import layers
+
+    return not getattr(layers, "_grad_accum_fusion_available", False)
+
+
+_FUSED_WGRAD = types.ModuleType(FUSED_WGRAD_MODULE, "weight-gradient accumulation (CPU emulation of apex's kernel)")
+_FUSED_WGRAD.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
+_FUSED_WGRAD.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
+
+
+def _provide_fused_wgrad_module(owner):
     """Megatron's local linear layers fuse the weight-gradient GEMM with the
     accumulation into `main_grad` through apex's CUDA extension, which
     tensor_parallel/layers.py imports at import time and otherwise refuses
     `gradient_accumulation_fusion` (Megatron's default). Provide the module with the
     same semantics in torch ops, so CPU runs take the same backward path as GPUs
-    (the dummy weight gradient and DDP's `grad_added_to_main_grad` included)."""
-    from megatron.core.tensor_parallel import layers
+    (the dummy weight gradient and DDP's `grad_added_to_main_grad` included);
+    megatron.core.utils imports it at call time."""
+    if not _fused_wgrad_wanted():
+        return None
+    previous = owner.modules.get(FUSED_WGRAD_MODULE, patch_table.ABSENT)
+    owner.modules[FUSED_WGRAD_MODULE] = _FUSED_WGRAD
+    return (previous,)
 
-    if getattr(layers, "_grad_accum_fusion_available", False):
-        return
-    module = types.ModuleType(FUSED_WGRAD_MODULE, "weight-gradient accumulation (CPU emulation of apex's kernel)")
-    module.wgrad_gemm_accum_fp32 = wgrad_gemm_accum_fp32
-    module.wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp16
-    sys.modules[FUSED_WGRAD_MODULE] = module  # megatron.core.utils imports it at call time
-    layers.fused_weight_gradient_mlp_cuda = module
-    layers._grad_accum_fusion_available = True
+
+def _withdraw_fused_wgrad_module(owner, undo) -> None:
+    (previous,) = undo
+    if previous is patch_table.ABSENT:
+        owner.modules.pop(FUSED_WGRAD_MODULE, None)
+    else:
+        owner.modules[FUSED_WGRAD_MODULE] = previous
+
+
+def _one_connection(owner):
+    """Megatron's validate_args demands CUDA_DEVICE_MAX_CONNECTIONS=1 for TP/CP > 1 before
+    Blackwell; it means nothing here, and the emulated device reports no architecture."""
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in owner.environ:
+        return None
+    owner.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return True
+
+
+def _unset_one_connection(owner, undo) -> None:
+    owner.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+
+
+def _value(value):
+    """A patch whose replacement does not depend on the original."""
+    return lambda original: value
+
+
+def _tables():
+    """The emulation's tables, in the order they are installed: torch (before Megatron is
+    imported), the NCCL model (cpu_nccl.py), then Megatron's names."""
+    cuda = tuple(Patch("torch.cuda", name, why, _value(value), CPU) for name, value, why in _cuda_patches())
+    torch_patches = cuda + (
+        Patch("torch.overrides", "CudaToCpuMode (entered)",
+              "every torch call: CUDA devices become the CPU, Tensor.cuda() and Tensor.type() answer as on a GPU",
+              _enter_cuda_to_cpu_mode, CPU, restore=_leave_cuda_to_cpu_mode),
+        Patch("torch.autograd.function:BackwardCFunction", "apply",
+              "autograd runs a custom Function's backward outside the torch function mode: re-entered there",
+              _backward_in_mode, CPU),
+        Patch("os", "environ[CUDA_DEVICE_MAX_CONNECTIONS]", "Megatron's validate_args with TP/CP > 1",
+              _one_connection, CPU, restore=_unset_one_connection),
+    )
+    random = "megatron.core.tensor_parallel.random"
+    dopt = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+    megatron = (
+        Patch(random, "_set_cuda_rng_state", "the RNG tracker: the CUDA generator is the CPU's", _set_cuda_rng_state,
+              CPU),
+        Patch(random, "_get_cuda_rng_state", "the RNG tracker: the CUDA generator is the CPU's", _get_cuda_rng_state,
+              CPU, optional=True),
+        Patch("logging", f"getLogger({random}).filters", "its warning that the CPU RNG changed in a CUDA fork",
+              _quiet_rng_fork_warning, CPU, restore=_loud_rng_fork_warning),
+        Patch("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
+              "the MoE all-to-all's split sizes to the host", _moe_host_copies, CPU),
+        Patch("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+              "the MoE all-to-all's split sizes to the host (its imported name)", _moe_host_copies, CPU,
+              optional=True),
+        Patch(dopt, "state_dict", "torch's Adam (no TE/apex): a resume's state dict before any step",
+              _adam_state_dict, CPU),
+        Patch(dopt, "load_state_dict", "torch's Adam (no TE/apex): one `step` tensor per parameter",
+              _adam_load_state_dict, CPU),
+        Patch(dopt, "_set_main_param_and_optimizer_states", "torch's Adam (no TE/apex): the loaded `step` kept",
+              _adam_set_states, CPU),
+        Patch("megatron.core.extensions.transformer_engine", "te_general_gemm",
+              "moe_utils imports it; None without Transformer Engine", _missing_te_general_gemm, CPU, optional=True),
+        Patch("megatron.core.transformer.torch_norm:WrappedTorchNorm", "__new__",
+              "torch's norms marked sequence_parallel, as apex's are", _torch_norm_for_sequence_parallel, CPU),
+        Patch("sys", f"modules[{FUSED_WGRAD_MODULE}]", "apex's weight-gradient kernel, in torch ops",
+              _provide_fused_wgrad_module, CPU, restore=_withdraw_fused_wgrad_module),
+        Patch("megatron.core.tensor_parallel.layers", "fused_weight_gradient_mlp_cuda",
+              "gradient_accumulation_fusion: apex's kernel, in torch ops",
+              lambda original: _FUSED_WGRAD if _fused_wgrad_wanted() else original, CPU, optional=True),
+        Patch("megatron.core.tensor_parallel.layers", "_grad_accum_fusion_available",
+              "gradient_accumulation_fusion (Megatron's default) allowed", _value(True), CPU),
+    )
+    return torch_patches, cpu_nccl.patches(_NCCL), megatron
+
+
+def tables() -> tuple:
+    """Every patch the emulation makes, one flat table."""
+    return sum(_tables(), ())
 
 
 def activate() -> bool:
-    """Enable CUDA emulation on the CPU. Returns False (and does nothing) with CUDA."""
-    global _ACTIVE, _MODE
+    """Enable CUDA emulation on the CPU. Returns False (and does nothing) with CUDA.
+    `torch.cuda.is_available()` stays False: Megatron uses it to choose gloo/CPU paths."""
+    global _ACTIVE
     if _ACTIVE:
         return True
     if torch.cuda.is_available():
         return False
-    for name, value in _cuda_patches().items():
-        setattr(torch.cuda, name, value)
-    # `torch.cuda.is_available()` stays False: Megatron uses it to choose gloo/CPU paths.
-    _MODE = CudaToCpuMode()
-    _MODE.__enter__()
-    _patch_autograd_backward()
-    _patch_rng_tracker()
-    _patch_moe_host_copies()
-    _patch_uneven_all_gather()
-    _patch_distributed_optimizer_step()
-    _patch_distributed()
-    with contextlib.suppress(ImportError):
-        _patch_missing_te_names()
-    _patch_torch_norm_for_sequence_parallel()
-    _provide_fused_wgrad_kernel()
-    # Megatron's validate_args demands this CUDA setting for TP/CP > 1 before Blackwell;
-    # it means nothing here, and the emulated device reports no architecture.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    try:
+        for table in _tables():
+            patch_table.install(table, _INSTALLED)
+    except BaseException:
+        patch_table.restore(_INSTALLED)
+        raise
     _ACTIVE = True
     return True
+
+
+def deactivate() -> None:
+    """Undo every patch of the emulation, last first."""
+    global _ACTIVE
+    patch_table.restore(_INSTALLED)
+    _ACTIVE = False
 
 
 def setup_device(device: str = "auto") -> str:

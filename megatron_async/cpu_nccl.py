@@ -44,6 +44,8 @@ import os
 import threading
 from typing import Any
 
+from megatron_async.patch_table import Patch, Scope
+
 SEND_WAIT_ENV = "MEGATRON_ASYNC_CPU_SEND_WAIT_S"  # how long an emulated NCCL wait waits before failing
 EAGER_ENV = "MEGATRON_ASYNC_CPU_NCCL_EAGER"  # 1: model eager communicators (init_process_group(device_id=...))
 STORE_PREFIX = "megatron_async/nccl_pair"
@@ -52,8 +54,6 @@ STORE_PREFIX = "megatron_async/nccl_pair"
 class DeviceWaitError(RuntimeError):
     """An emulated whole-device wait found work its peers never posted for: a hang on NCCL."""
 
-
-UnreceivedSendError = DeviceWaitError  # the name tests and callers have used for the send case
 
 
 class FirstContactError(RuntimeError):
@@ -304,25 +304,67 @@ def _new_group(nccl: EmulatedNccl, original):
     return new_group
 
 
+class _DoneWork:
+    """What an async collective returns when it already ran to completion."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _uneven_all_gather(original):
+    """gloo's all_gather requires equal sizes; NCCL accepts unequal ones, and
+    Megatron's LayerWiseDistributedOptimizer.allgather_params relies on it (each
+    data-parallel rank gathers the whole parameters it owns, of different sizes).
+    Pad every input to the largest size, gather, and trim each output."""
+    import torch
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.numel() for t in tensor_list]
+        if len(set(sizes)) <= 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        source = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
+        source[: tensor.numel()] = tensor.reshape(-1)
+        padded = [torch.empty_like(source) for _ in sizes]
+        original(padded, source, group=group)
+        for out, full, size in zip(tensor_list, padded, sizes):
+            out.view(-1).copy_(full[:size])
+        return _DoneWork() if async_op else None
+
+    return all_gather
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "all_to_all_single", "reduce", "barrier")
 
 
-def install(nccl: EmulatedNccl) -> None:
-    """Route torch.distributed's operations through `nccl` (both module names: P2POp
-    checks its op against distributed_c10d's isend/irecv)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    def replace(name, make):
-        wrapped = make(getattr(dist, name))
-        setattr(dist, name, wrapped)
-        setattr(c10d, name, wrapped)
-
-    for name, kind, blocking in (("isend", "send", False), ("irecv", "recv", False),
-                                 ("send", "send", True), ("recv", "recv", True)):
-        replace(name, lambda f, k=kind, b=blocking: _point_to_point(nccl, f, k, b))
+def patches(nccl: EmulatedNccl) -> tuple:
+    """The torch.distributed functions routed through `nccl`, each under both module names
+    (P2POp checks its op against distributed_c10d's isend/irecv): one entry per function,
+    so all_gather is wrapped once (unequal sizes, then tracked) whatever else is installed."""
+    both = dict(scope=Scope.CPU, also=("torch.distributed.distributed_c10d",))
+    table = [Patch("torch.distributed", name, f"{kind}: {'complete on return' if blocking else 'tracked'}, "
+                   "with the pair's first contact", functools.partial(_point_to_point, nccl, kind=kind,
+                                                                      blocking=blocking), **both)
+             for name, kind, blocking in (("isend", "send", False), ("irecv", "recv", False),
+                                          ("send", "send", True), ("recv", "recv", True))]
     for name in COLLECTIVES:
-        replace(name, lambda f, n=name: _collective(nccl, f, n))
-    replace("batch_isend_irecv", lambda f: _batch(nccl, f))
-    replace("new_group", lambda f: _new_group(nccl, f))
+        why = "an asynchronous collective is device work until every rank posted it"
+        make = functools.partial(_collective, nccl, name=name)
+        if name == "all_gather":
+            why += "; unequal sizes as NCCL accepts them (Megatron's layer-wise optimizer)"
+            make = functools.partial(_uneven_then_tracked, nccl)
+        table.append(Patch("torch.distributed", name, why, make, **both))
+    table.append(Patch("torch.distributed", "batch_isend_irecv", "batched operations take part in no pair rule",
+                       functools.partial(_batch, nccl), **both))
+    table.append(Patch("torch.distributed", "new_group", "host groups (backend='gloo') are remembered",
+                       functools.partial(_new_group, nccl), **both))
+    return tuple(table)
+
+
+def _uneven_then_tracked(nccl: EmulatedNccl, original):
+    return _collective(nccl, _uneven_all_gather(original), "all_gather")

@@ -33,11 +33,9 @@ def with_cpu_flags(args: list[str]) -> list[str]:
     return args + extra
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
-        print(__doc__)
-        return 0 if argv else 2
+def prepare() -> bool:
+    """What every run through the launcher installs before Megatron starts: the CUDA and
+    NCCL emulation where there is no CUDA, and the Megatron hooks. Returns whether on the CPU."""
     from megatron_async.megatron_lm.safety.launcher_watch import exit_with_launcher
 
     exit_with_launcher()
@@ -47,6 +45,15 @@ def main(argv=None) -> int:
     from megatron_async.megatron_lm.adapter.hooks import install
 
     install()
+    return on_cpu
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(__doc__)
+        return 0 if argv else 2
+    on_cpu = prepare()
     script, rest = argv[0], argv[1:]
     if on_cpu:
         rest = with_cpu_flags(rest)

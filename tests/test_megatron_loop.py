@@ -208,7 +208,7 @@ def test_a_refused_flag_stops_every_rank_before_training(tmp_path):
 def test_install_names_a_missing_megatron_function(monkeypatch):
     from megatron_async.megatron_lm.adapter import hooks
 
-    missing = hooks.Hook("megatron.training.training", "no_such_function", "nowhere", lambda f: f)
+    missing = hooks.Hook("megatron.training.training", "no_such_function", "nowhere", lambda f: f, hooks.EVERY)
     monkeypatch.setattr(hooks, "HOOKS", hooks.HOOKS + (missing,))
     monkeypatch.setattr(hooks, "_INSTALLED", {})
     with pytest.raises(hooks.MissingHookError, match="megatron.training.training.no_such_function"):

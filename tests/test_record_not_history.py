@@ -19,10 +19,6 @@ BENCHMARKS = REPO / "docs" / "benchmarks.md"
 HISTORY = re.compile(r"\bused to\b|\bno longer\b|\bretired\b|\bas before\b|\bsince removed\b|\bpreviously\b"
                      r"|\bformerly\b|\bissues? \d+|#\d+\b", re.IGNORECASE)
 FOR_TESTS = re.compile(r"\bfor (?:the )?tests\b", re.IGNORECASE)
-# Files another change owns, holding a "for tests" helper whose replacement is already in
-# tests/support (tests/support/exit_report.py): the check below fails once the helper is gone,
-# so that the file leaves this list with it.
-HELPER_STILL_IN = {"megatron_async/cpu.py"}
 
 
 def history_lines(text: str) -> list[str]:
@@ -54,8 +50,7 @@ def test_negative_control_history_is_found():
 def test_no_package_docstring_or_comment_says_for_tests():
     found = {str(path.relative_to(REPO)): hits for path in sorted((REPO / "megatron_async").rglob("*.py"))
              if (hits := says_for_tests(path.read_text(encoding="utf-8")))}
-    assert {name: hits for name, hits in found.items() if name not in HELPER_STILL_IN} == {}
-    assert set(found) >= HELPER_STILL_IN, "a helper left: remove its file from HELPER_STILL_IN"
+    assert found == {}
 
 
 def test_negative_control_for_tests_is_found():

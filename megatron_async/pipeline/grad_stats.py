@@ -14,7 +14,8 @@ points each (sub-)optimizer at the ranks of its own stage instead:
 - Megatron's layer-wise distributed optimizer (emerging optimizers such as Muon
   with --use-distributed-optimizer): the same ranks, since each DP rank owns whole
   parameters. It reduces over all ranks (group=None) in its own methods, which a
-  subclass (`_StageLocalStatistics` mixed into the optimizer's class) points at the stage.
+  subclass (`_StageLocalStatistics` mixed into the optimizer's class) points at the stage
+  (its STAGE_LOCAL_STATISTICS entry of the delayed-run patches, pipeline/delayed_run_patches.py).
 
 Clipping with `--clip-grad` then uses the stage's own gradient norm
 (`--clip-grad-mode stage-local`).
@@ -23,6 +24,9 @@ Clipping with `--clip-grad` then uses the stage's own gradient norm
 from __future__ import annotations
 
 from megatron.core import parallel_state
+
+from megatron_async import patch_table
+from megatron_async.patch_table import Patch, Scope
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -54,13 +58,17 @@ def _is_layer_wise(optimizer) -> bool:
     return isinstance(optimizer, LayerWiseDistributedOptimizer)
 
 
-def make_stage_local(optimizer, distributed: bool) -> None:
+def make_stage_local(optimizer, distributed: bool) -> list:
+    """Returns what it patched (patch_table.restore undoes it)."""
     layer_wise = _is_layer_wise(optimizer)
     group = stage_local_group(distributed or layer_wise)
     for sub in _sub_optimizers(optimizer):
         sub.grad_stats_parallel_group = stage_local_group(distributed or layer_wise, _holds_expert_weights(sub))
+    installed: list = []
     if layer_wise:
-        _layer_wise_stage_local(optimizer, group)
+        patch_table.install((STAGE_LOCAL_STATISTICS,), installed, objects={"<optimizer>": optimizer})
+        optimizer.stage_group = group
+    return installed
 
 
 class _StageLocalStatistics:
@@ -104,15 +112,38 @@ class _StageLocalStatistics:
                                 use_decoupled_grad=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
-def _layer_wise_stage_local(optimizer, group) -> None:
+def stage_local_class(base: type) -> type:
+    """A plain subclass of the optimizer's class with _StageLocalStatistics' methods (a mixin
+    base would change the instance layout Python checks on a class change)."""
+    methods = {name: value for name, value in vars(_StageLocalStatistics).items() if callable(value)}
+    return type(f"StageLocal{base.__name__}", (base,), {**methods, "__doc__": _StageLocalStatistics.__doc__})
+
+
+def _stage_local_class(optimizer):
     """The optimizer becomes an instance of a subclass of its class with _StageLocalStatistics'
     methods (isinstance of Megatron's class still holds; its state is untouched)."""
     base = type(optimizer)
-    # a plain subclass of the optimizer's class with these methods (a mixin base would change the
-    # instance layout Python checks on a class change)
-    methods = {name: value for name, value in vars(_StageLocalStatistics).items() if callable(value)}
-    optimizer.__class__ = type(f"StageLocal{base.__name__}", (base,), {**methods, "__doc__": _StageLocalStatistics.__doc__})
-    optimizer.stage_group = group
+    optimizer.__class__ = stage_local_class(base)
+    return base
+
+
+def _restore_class(optimizer, base) -> None:
+    optimizer.__class__ = base
+
+
+def _with_stage_groups(original, num_stages):
+    groups = tuple(f"pipeline-stage-{s}" for s in range(1, num_stages))
+    missing = tuple(g for g in groups if g not in original)
+    return original + missing if missing else original
+
+
+STAGE_LOCAL_STATISTICS = Patch(
+    "<optimizer>", "__class__", "2bw with Megatron's layer-wise distributed optimizer: its gradient norm, "
+    "grad-norm group check and zero count over the stage's ranks, not the world", _stage_local_class,
+    Scope.DELAYED, restore=_restore_class)
+STAGE_NORM_GROUPS = Patch(
+    "megatron.core.optimizer.optimizer", "SEPARATE_GRAD_NORM_GROUPS", "--simulated-delay with "
+    "--simulated-pipeline-stages: each would-be stage clipped by its own norm", _with_stage_groups, Scope.DELAYED)
 
 
 def stage_of_parameter(name: str, num_layers: int, num_stages: int) -> int:
@@ -128,22 +159,22 @@ def stage_of_parameter(name: str, num_layers: int, num_stages: int) -> int:
     return num_stages - 1  # final layernorm, output layer
 
 
-def clip_like_pipeline_stages(model, num_layers: int, num_stages: int) -> None:
+def clip_like_pipeline_stages(model, num_layers: int, num_stages: int) -> list:
     """Make an unpipelined model clip each would-be stage by its own gradient norm.
 
     With `--simulated-delay` this reproduces `--clip-grad-mode stage-local` of a
     P-stage 2bw run exactly. It reuses Megatron's separate grad-norm groups: the
     parameters of stage s > 0 are tagged with group "pipeline-stage-s", which
     Megatron's optimizer excludes from the main norm and clips by its own norm.
-    Call before the optimizer is built.
+    Call before the optimizer is built. Returns what it patched (patch_table.restore undoes it).
     """
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    groups = tuple(f"pipeline-stage-{s}" for s in range(1, num_stages))
-    missing = tuple(g for g in groups if g not in mcore_optimizer.SEPARATE_GRAD_NORM_GROUPS)
-    mcore_optimizer.SEPARATE_GRAD_NORM_GROUPS = mcore_optimizer.SEPARATE_GRAD_NORM_GROUPS + missing
+    installed: list = []
+    patch_table.install((patch_table.bound(STAGE_NORM_GROUPS, num_stages=num_stages),), installed)
     for chunk in model:
         for name, param in chunk.named_parameters():
             stage = stage_of_parameter(name, num_layers, num_stages)
             if stage > 0:
                 setattr(param, mcore_optimizer.GRAD_NORM_GROUP_ATTR, f"pipeline-stage-{stage}")
+    return installed

@@ -8,7 +8,8 @@ has long arrived, so step t+1 clips by the global norm of step t. Step 0 has no
 previous global norm and clips by its stage-local norm.
 
 It plugs into Megatron's optimizer at its one norm function
-(`get_grad_norm_fp32` in megatron.core.optimizer.optimizer): every call inside a
+(`get_grad_norm_fp32` in megatron.core.optimizer.optimizer, its STALE_GLOBAL_NORM entry of the
+delayed-run patches, pipeline/delayed_run_patches.py, installed for the length of one step): every call inside a
 step is answered with the stale global value of the same call one step earlier,
 so chained optimizers with several norm groups each get their own.
 """
@@ -17,14 +18,33 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from megatron_async import patch_table
+from megatron_async.patch_table import Patch, Scope
 
 HISTORY_STEPS = 1000
+
+
+def _stale_global_norm(original, norm: "StaleGlobalNorm"):
+    """Each norm Megatron computes in this step answered with the previous step's global one."""
+
+    @functools.wraps(original)
+    def answered(*args, **kwargs):
+        return norm.answer(original(*args, **kwargs))
+
+    return answered
+
+
+STALE_GLOBAL_NORM = Patch(
+    "megatron.core.optimizer.optimizer", "get_grad_norm_fp32", "--clip-grad-mode stale-global, for one optimizer "
+    "step: every norm of the step answered with the global norm of the step before", _stale_global_norm,
+    Scope.DELAYED)
 
 
 class _Arrived:
@@ -50,7 +70,7 @@ class StaleGlobalNorm:
         self.used: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
         self.local: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
 
-    def _answer(self, local_norm: float) -> float:
+    def answer(self, local_norm: float) -> float:
         index = self._calls
         self._calls += 1
         squared = torch.tensor([float(local_norm) ** 2], dtype=torch.float64, device=self.device)
@@ -69,21 +89,15 @@ class StaleGlobalNorm:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Wrap one optimizer step: Megatron's norm function answers with stale global norms."""
-        from megatron.core.optimizer import optimizer as mcore_optimizer
-
-        original = mcore_optimizer.get_grad_norm_fp32
         self._calls, self._current = 0, []
         self.used.append([])
         self.local.append([])
-
-        def norm(*args, **kwargs):
-            return self._answer(original(*args, **kwargs))
-
-        mcore_optimizer.get_grad_norm_fp32 = norm
+        installed: list = []
+        patch_table.install((patch_table.bound(STALE_GLOBAL_NORM, norm=self),), installed)
         try:
             yield
         finally:
-            mcore_optimizer.get_grad_norm_fp32 = original
+            patch_table.restore(installed)
             for work, _ in self._pending[len(self._current):]:
                 work.wait()  # calls that did not recur this step
             self._pending = self._current

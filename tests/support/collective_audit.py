@@ -14,8 +14,9 @@ are not collectives and are not recorded.
 
 MEGATRON_ASYNC_AUDIT_INJECT=1 adds one world all-reduce per iteration: the
 negative control that shows the audit catches a cross-stage collective.
-MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT=1 leaves Megatron's checkpoint_and_decide_exit
-unhooked, so its own per-iteration exit checks run (another negative control);
+MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT=1 leaves Megatron's checkpoint_and_decide_exit and its
+signal check unhooked and its --exit-duration-in-mins with Megatron, so its own
+per-iteration exit checks run (another negative control);
 MEGATRON_ASYNC_AUDIT_UNHOOK=NAME[,NAME] leaves those hooks of megatron_lm/adapter/hooks.py unhooked
 (e.g. _allreduce_word_embedding_grads: Megatron's tied-embedding all-reduce).
 """
@@ -139,11 +140,15 @@ def main() -> int:
     from megatron_async.megatron_lm.adapter.hooks import install as install_plugin
 
     unhooked = {name for name in os.environ.get("MEGATRON_ASYNC_AUDIT_UNHOOK", "").split(",") if name}
-    if os.environ.get("MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT") == "1":  # Megatron's own exit checks, unhooked
-        unhooked.add("checkpoint_and_decide_exit")
-    if unhooked:
-        import dataclasses
+    import dataclasses
 
+    if os.environ.get("MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT") == "1":  # Megatron's own exit checks, unhooked
+        from megatron_async.pipeline import stop_agreement
+
+        unhooked |= {"checkpoint_and_decide_exit", "signals_received"}
+        stop_agreement.MEGATRON_DURATION = dataclasses.replace(stop_agreement.MEGATRON_DURATION,
+                                                               wrap=lambda original: original)
+    if unhooked:
         from megatron_async.megatron_lm.adapter import hooks
 
         hooks.HOOKS = tuple(dataclasses.replace(h, wrap=lambda original: original)

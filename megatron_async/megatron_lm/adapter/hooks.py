@@ -1,36 +1,33 @@
-"""Every Megatron name the plugin hooks, in one place, and `install()`.
+"""Every Megatron name the plugin hooks, in one table, and `install()`.
 
-Each Hook names a module attribute that Megatron looks up at call time, the line
-of Megatron-Core 0.19.2 (= Megatron-LM core_r0.19.0, f8837c04) that calls it, and
-how it is wrapped. `install()` checks that every name exists before changing
-anything, and fails naming the missing one on another Megatron version.
-Nothing else in the project patches Megatron's training package. Besides these,
-`_train` registers forward hooks on an MoE model's TopKRouter modules
-(observability/moe_routing.py: tokens per expert, for --metrics-json).
+Each Hook (a megatron_async/patch_table.py Patch) names a module attribute that Megatron
+looks up at call time, the line of Megatron-Core 0.19.2 (= Megatron-LM core_r0.19.0,
+f8837c04) that calls it, how it is wrapped and its scope: every run, delayed runs only, or
+CPU only (outside its scope a hook calls Megatron's function unchanged). `install()` checks
+that every name exists before changing anything, and fails naming the missing one on
+another Megatron version; `uninstall()` puts Megatron's functions back. The other tables:
+the CUDA and NCCL emulation (cpu.py, cpu_nccl.py) and the patches a delayed run installs
+for its length (pipeline/delayed_run_patches.py). Besides these, `_train` registers forward hooks on
+an MoE model's TopKRouter modules (observability/moe_routing.py: tokens per expert, for
+--metrics-json).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from megatron_async import patch_table
 from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_run, runtime
+from megatron_async.patch_table import Patch as Hook
+from megatron_async.patch_table import Scope
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
 from megatron_async.schedules.registry import delayed_runtime
 
-_INSTALLED: dict = {}
-
-
-@dataclass(frozen=True)
-class Hook:
-    module: str
-    name: str
-    called_at: str  # where Megatron calls it (megatron/..., 0.19.2)
-    wrap: Callable[[Callable], Callable]  # original -> replacement
+EVERY, DELAYED, CPU = Scope.EVERY_RUN, Scope.DELAYED, Scope.CPU
+_INSTALLED: list = []  # what install() replaced (patch_table.install), for uninstall()
 
 
 class MissingHookError(RuntimeError):
@@ -237,34 +234,30 @@ def _moe_aggregate(original):
 
 
 def _save_checkpoint(original):
+    """Every run: the --save lock still names this job, and a disk that fills is one line of
+    ours. A delayed run's save is one DelayedSave (checkpoint/delayed_save.py), held on the
+    run while Megatron's save runs, for the hooks Megatron calls inside it."""
+
     @functools.wraps(original)
     def hooked(iteration, *args, **kwargs):
         from megatron.training import get_args
 
-        from megatron_async.megatron_lm.checkpoint import side_files
-        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir, contents_to_save, write_marker
-        from megatron_async.megatron_lm.checkpoint.optimizer_state import per_rank_state
-
-        root = get_args().save
+        from megatron_async.megatron_lm.checkpoint.delayed_save import DelayedSave
         from megatron_async.megatron_lm.safety.save_lock import check_before_save
 
+        root = get_args().save
         check_before_save(root, iteration)  # one writer per --save
         delayed = plugin_run.delayed()
         if delayed is None:
             return original(iteration, *args, **kwargs)
-        delayed.drain()  # 2bw: no send outstanding over the save (it may outlast NCCL's watchdog)
-        contents = contents_to_save(delayed)
-        if contents.get("per_rank_state") == "files":  # before Megatron's tracker names the checkpoint
-            side_files.save(checkpoint_dir(root, iteration), per_rank_state(delayed))
-            write_marker(root, iteration, contents, create=True)
-        if contents.get("per_rank_state") == "optimizer":  # torch_dist needs an empty directory to save into:
-            delayed.marker_due = (root, iteration, contents)  # written when Megatron names its tracker
+        save = DelayedSave(delayed, root, iteration, persistent=not kwargs.get("non_persistent_ckpt", False))
+        save.before_megatron_writes()
+        delayed.saving = save
         try:
             result = original(iteration, *args, **kwargs)
         finally:
-            due, delayed.marker_due = delayed.marker_due, None
-        if due is not None:  # no tracker written on this rank (write_marker writes on rank 0 only)
-            write_marker(*due)
+            delayed.saving = None
+        save.after_megatron_returned()
         return result
 
     from megatron_async.megatron_lm.safety.full_disk import named_when_the_disk_fills
@@ -272,52 +265,39 @@ def _save_checkpoint(original):
     return named_when_the_disk_fills(hooked)  # a disk that fills during the save: one line of ours
 
 
+def _saving():
+    """The delayed run's save under way (checkpoint/delayed_save.py), None outside one."""
+    delayed = plugin_run.delayed()
+    return delayed.saving if delayed is not None else None
+
+
 def _dist_checkpointing_save(original):
-    """torch_dist, a delayed run's save: once Megatron's save returned on every rank (this rank's
-    files are whole), each rank hashes the files it wrote and rank 0 adds the checksums to the
-    marker written when Megatron names its tracker (checkpoint/checksums.py)."""
+    """torch_dist: once Megatron's synchronous save returned on every rank, the save's
+    checksums (DelayedSave.after_every_rank_wrote)."""
 
     @functools.wraps(original)
     def hooked(sharded_state_dict, checkpoint_dir, *args, **kwargs):
         result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        delayed = plugin_run.delayed()
-        due = delayed.marker_due if delayed is not None else None
-        if due is None or result is not None:  # nothing of ours, or an asynchronous save still writing
-            return result
-        import os
+        save = _saving()
+        if save is not None and result is None:  # an asynchronous save is still writing
+            from megatron.training import get_args
 
-        from megatron.training import get_args
-
-        from megatron_async.megatron_lm.checkpoint import checksums
-        from megatron_async.megatron_lm.checkpoint.marker import checkpoint_dir as directory_of
-
-        if get_args().no_checkpoint_checksums or (
-                os.path.realpath(checkpoint_dir) != os.path.realpath(directory_of(due[0], due[1]))):
-            return result
-        recorded = checksums.gather(checkpoint_dir)
-        if recorded is not None:  # rank 0
-            delayed.marker_due = (due[0], due[1], {**due[2], checksums.KEY: recorded})
+            save.after_every_rank_wrote(checkpoint_dir, with_checksums=not get_args().no_checkpoint_checksums)
         return result
 
     return hooked
 
 
 def _checkpoint_tracker_filename(original):
-    """Rank 0 names the tracker file once every rank has saved, right before writing it: a
-    pending torch_dist marker is written there, so no tracker ever names a 2bw checkpoint
-    without it (a node lost between the two writes leaves the previous checkpoint tracked)."""
+    """Rank 0 names the tracker file once every rank has saved, right before writing it:
+    the save's torch_dist marker is written there (DelayedSave.at_the_tracker), so no
+    tracker ever names a 2bw checkpoint without it."""
 
     @functools.wraps(original)
     def hooked(checkpoints_path):
-        import os
-
-        delayed = plugin_run.delayed()
-        due = delayed.marker_due if delayed is not None else None
-        if due is not None and os.path.realpath(due[0]) == os.path.realpath(checkpoints_path):
-            from megatron_async.megatron_lm.checkpoint.marker import write_marker
-
-            delayed.marker_due = None
-            write_marker(*due)
+        save = _saving()
+        if save is not None:
+            save.at_the_tracker()
         return original(checkpoints_path)
 
     return hooked
@@ -376,39 +356,52 @@ def _load_checkpoint(original):
 def _checkpoint_and_decide_exit(original):
     """Under 2bw, --exit-signal-handler and --exit-duration-in-mins stop every rank at one
     iteration agreed through pipeline/stop_agreement.py, not Megatron's blocking gather
-    over all ranks each iteration; Megatron's own saves and --exit-interval are unchanged."""
+    over all ranks each iteration (its checks answer no under the agreement:
+    _signals_received, StopAgreement.take_over); Megatron's own saves and --exit-interval
+    are unchanged."""
 
     @functools.wraps(original)
-    def hooked(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
+    def hooked(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
+               checkpointing_context, train_data_iterator):
         from megatron.training import get_args
 
         margs = get_args()
         delayed = plugin_run.delayed(margs)
         agreement = delayed.stop if delayed is not None else None
+        if original(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
+                    checkpointing_context, train_data_iterator):
+            return True  # DelayedRun.finish settles the agreement
         if agreement is None:
-            return original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs)
-        own = margs.exit_signal_handler, margs.exit_duration_in_mins
-        margs.exit_signal_handler, margs.exit_duration_in_mins = False, None
-        try:
-            if original(model, optimizer, opt_param_scheduler, iteration, *rest, **kwargs):
-                return True  # DelayedRun.finish settles the agreement
-        finally:
-            margs.exit_signal_handler, margs.exit_duration_in_mins = own
-        code, posted = agreement.after_iteration(iteration, runtime.local_stop_code(margs))
+            return False
+        code, posted = agreement.after_iteration(iteration, agreement.own_code(margs))
         if not code:
             return False
         from megatron.training import training
         from megatron_async.pipeline.stop_agreement import REASONS
 
         if margs.save and not (margs.save_interval and iteration % margs.save_interval == 0):
-            flops, checkpointing_context, train_data_iterator = rest[:3]
-            training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, flops,
-                                              checkpointing_context, train_data_iterator=train_data_iterator)
+            training.save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                              num_floating_point_operations_so_far, checkpointing_context,
+                                              train_data_iterator=train_data_iterator)
         if torch.distributed.get_rank() == 0:
             print(f"megatron-async: stopping after iteration {iteration}, agreed by every rank: {REASONS[code]} "
                   f"(seen after iteration {posted})", flush=True)
             runtime.note_early_stop(iteration, REASONS[code], bool(margs.save))
         return True
+
+    return hooked
+
+
+def _signals_received(original):
+    """Megatron's signal check, an all-gather over every rank each iteration: under a stop
+    agreement it answers that no rank got a signal, and the agreement decides."""
+
+    @functools.wraps(original)
+    def hooked(self):
+        delayed = plugin_run.delayed()
+        if delayed is not None and delayed.stop is not None:
+            return [False]
+        return original(self)
 
     return hooked
 
@@ -556,55 +549,67 @@ def _moe_metrics_sync(original):
 T = "megatron.training.training"
 A = "megatron.training.arguments"
 HOOKS = (
-    Hook(A, "add_megatron_arguments", "arguments.py:121 parse_args: every parser, --help", _add_megatron_arguments),
-    Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args),
-    Hook(A, "_print_args", "arguments.py:1904 validate_args: the argument dump", _print_args),
-    Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func),
+    Hook(A, "add_megatron_arguments", "arguments.py:121 parse_args: every parser, --help", _add_megatron_arguments,
+         EVERY),
+    Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args, EVERY),
+    Hook(A, "_print_args", "arguments.py:1904 validate_args: the argument dump", _print_args, EVERY),
+    Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func, EVERY),
     Hook(T, "get_megatron_optimizer", "training.py:2132 setup_model_and_optimizer (before load_checkpoint, 2199)",
-         _get_megatron_optimizer),
+         _get_megatron_optimizer, EVERY),
     Hook(T, "save_checkpoint", "training.py:3086 save_checkpoint_and_time (every save in train), 2181, 2273",
-         _save_checkpoint),
+         _save_checkpoint, EVERY),
     Hook("megatron.training.checkpointing", "get_rng_state", "checkpointing.py:645 save_checkpoint",
-         _get_rng_state),
+         _get_rng_state, DELAYED),
     Hook("megatron.core.dist_checkpointing", "save",
          "checkpointing.py:827 save_checkpoint (torch_dist; before every rank's barrier and rank 0's tracker)",
-         _dist_checkpointing_save),
+         _dist_checkpointing_save, DELAYED),
     Hook("megatron.training.checkpointing", "get_checkpoint_tracker_filename",
          "checkpointing.py:960 save_checkpoint (rank 0, after every rank saved, before the tracker is written)",
-         _checkpoint_tracker_filename),
-    Hook(T, "load_checkpoint", "training.py:2199 setup_model_and_optimizer", _load_checkpoint),
+         _checkpoint_tracker_filename, DELAYED),
+    Hook(T, "load_checkpoint", "training.py:2199 setup_model_and_optimizer", _load_checkpoint, EVERY),
     Hook("megatron.core.optimizer_param_scheduler:OptimizerParamScheduler", "_check_and_set",
-         "optimizer_param_scheduler.py:318, from load_state_dict when a checkpoint is loaded", _check_scheduler_value),
+         "optimizer_param_scheduler.py:318, from load_state_dict when a checkpoint is loaded", _check_scheduler_value,
+         EVERY),
     Hook(T, "logical_and_across_model_parallel_group", "training.py:2503 train_step: update_successful",
-         _stage_local_reduction),
+         _stage_local_reduction, DELAYED),
     Hook(T, "reduce_max_stat_across_model_parallel_group",
-         "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction),
+         "training.py:2506/2508 train_step: grad norm, zeros; 2675 training_log: learning rate", _stage_local_reduction,
+         DELAYED),
     Hook("megatron.core.distributed.finalize_model_grads", "_allreduce_word_embedding_grads",
-         "finalize_model_grads.py:659 finalize_model_grads (tied embeddings, MTP)", _embedding_grads_all_reduce),
-    Hook(T, "train", "training.py:1423 pretrain", _train),
-    Hook(T, "train_step", "training.py:3856 train", _train_step),
-    Hook(T, "checkpoint_and_decide_exit", "training.py:4079 train", _checkpoint_and_decide_exit),
-    Hook(T, "training_log", "training.py:3985 train", _training_log),
-    Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results),
-    Hook(T, "evaluate", "training.py:4402 evaluate_and_print_results", _evaluate),
+         "finalize_model_grads.py:659 finalize_model_grads (tied embeddings, MTP)", _embedding_grads_all_reduce,
+         DELAYED),
+    Hook(T, "train", "training.py:1423 pretrain", _train, EVERY),
+    Hook(T, "train_step", "training.py:3856 train", _train_step, EVERY),
+    Hook(T, "checkpoint_and_decide_exit", "training.py:4079 train", _checkpoint_and_decide_exit, DELAYED),
+    Hook("megatron.training.dist_signal_handler:DistributedSignalHandler", "signals_received",
+         "training.py:3249 checkpoint_and_decide_exit (--exit-signal-handler)", _signals_received, DELAYED),
+    Hook(T, "training_log", "training.py:3985 train", _training_log, EVERY),
+    Hook(T, "evaluate_and_print_results", "training.py:4040 train, 1483/1494 pretrain", _evaluate_and_print_results,
+         EVERY),
+    Hook(T, "evaluate", "training.py:4402 evaluate_and_print_results", _evaluate, EVERY),
     Hook(T, "build_train_valid_test_data_iterators", "training.py:1362 pretrain (CPU only: RNG kept)",
-         _build_data_iterators),
-    Hook(T, "initialize_megatron", "training.py:1091 pretrain (allow_no_cuda on CPU only)", _initialize_megatron),
+         _build_data_iterators, CPU),
+    Hook(T, "initialize_megatron", "training.py:1091 pretrain (allow_no_cuda on CPU only)", _initialize_megatron, CPU),
     Hook("megatron.core.datasets.utils", "compile_helpers", "initialize.py:178 _compile_dependencies",
-         _compile_helpers),
-    Hook(T, "set_jit_fusion_options", "training.py:1117 pretrain (skipped on CPU only)", _set_jit_fusion_options),
+         _compile_helpers, EVERY),
+    Hook(T, "set_jit_fusion_options", "training.py:1117 pretrain (skipped on CPU only)", _set_jit_fusion_options, CPU),
     Hook("megatron.core.transformer.moe.moe_logging:MoEMetricsTracker", "_sync_metrics",
-         "moe_logging.py:188 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_metrics_sync),
+         "moe_logging.py:188 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_metrics_sync, DELAYED),
     Hook("megatron.core.transformer.moe.moe_logging:MoEMetricsTracker", "_aggregate",
-         "moe_logging.py:191 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_aggregate),
+         "moe_logging.py:191 MoEMetricsTracker.report, from training.py:2782 training_log", _moe_aggregate, EVERY),
 )
 
 
-def _resolve(path: str):
-    """A module, or a class in one ("package.module:Class")."""
-    module_name, _, class_name = path.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, class_name) if class_name else module
+PROCESS = (  # not Megatron's: the process the hooks run in
+    Hook("sys", "excepthook", "an uncaught refusal of ours: its one line and exit code where no launcher of ours "
+         "catches it (megatron_lm/safety/failures.py)", lambda previous: _excepthook_over(previous), EVERY),
+)
+
+
+def _excepthook_over(previous):
+    from megatron_async.megatron_lm.safety.failures import excepthook_over
+
+    return excepthook_over(previous)
 
 
 def install() -> None:
@@ -612,27 +617,25 @@ def install() -> None:
     the first hooked name this Megatron version lacks, before changing anything."""
     if _INSTALLED:
         return
-    modules = {}
-    for hook in HOOKS:
-        try:
-            module = modules.setdefault(hook.module, _resolve(hook.module))
-        except (ImportError, AttributeError) as err:
-            raise MissingHookError(f"megatron-async: cannot import {hook.module} ({err})") from None
-        if not hasattr(module, hook.name):
-            from megatron.core import __version__
+    try:
+        patch_table.check(HOOKS)
+    except patch_table.MissingTargetError as err:
+        hook = err.patch
+        if str(err).startswith("cannot import"):
+            raise MissingHookError(f"megatron-async: {err}") from None
+        from megatron.core import __version__
 
-            raise MissingHookError(
-                f"megatron-async: {hook.module}.{hook.name} (called at {hook.called_at} in megatron-core 0.19.2) "
-                f"does not exist in megatron-core {__version__}")
+        raise MissingHookError(
+            f"megatron-async: {hook.module}.{hook.name} (called at {hook.called_at} in megatron-core 0.19.2) "
+            f"does not exist in megatron-core {__version__}") from None
     if _INSTALLED:  # importing a patched megatron.training above installed them already
         return
-    for hook in HOOKS:
-        module = modules[hook.module]
-        original = getattr(module, hook.name)
-        _INSTALLED[(hook.module, hook.name)] = original
-        setattr(module, hook.name, hook.wrap(original))
+    patch_table.install(HOOKS + PROCESS, _INSTALLED)
     from megatron_async.megatron_lm.safety.launcher_watch import exit_with_launcher
-    from megatron_async.megatron_lm.safety.failures import install_excepthook
 
     exit_with_launcher()  # every entry installs the hooks: launch, the console scripts, a patched script
-    install_excepthook()  # our one line for a refusal where no launcher of ours catches it
+
+
+def uninstall() -> None:
+    """Megatron's functions (and the excepthook) back as they were before install()."""
+    patch_table.restore(_INSTALLED)

@@ -81,7 +81,7 @@ class DelayedRun:
         self.optimizer = None
         self.resumed: dict = {}
         self.stop = None
-        self.marker_due = None  # a torch_dist marker written when Megatron names its tracker
+        self.saving = None  # the save under way, while Megatron's save_checkpoint runs (checkpoint/delayed_save.py)
         self.rank_only_group = None  # under 2bw with MoE: the "pipeline group" of Megatron's MoE metrics
         self.rng = RngSnapshots()  # the RNG state a checkpoint saves (checkpoint/saved_rng.py)
 
@@ -133,6 +133,7 @@ class DelayedRun:
         # iteration, and Megatron's whole-device waits at step ends do not wait for the slowest stage
         group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())), backend="gloo")
         self.stop = StopAgreement(group, torch.device("cpu"))
+        self.stop.take_over(args)
 
     def start_moe_metrics_group(self, args) -> None:
         """Under 2bw with MoE layers: a group of this rank alone, which Megatron's MoE metrics
@@ -275,22 +276,6 @@ def note_early_stop(iteration: int, reason: str, saved: bool) -> None:
     if path:
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"iteration": iteration, "reason": reason, "saved": saved}, f)
-
-
-def local_stop_code(args) -> int:
-    """This rank's own reason to stop: a signal Megatron's handler caught here, or its clock."""
-    import time
-
-    from megatron.training import training
-    from megatron.training.global_vars import get_signal_handler
-
-    from megatron_async.pipeline.stop_agreement import DURATION, GO_ON, SIGNAL
-
-    if args.exit_signal_handler and getattr(get_signal_handler(), "_signal_received", False):
-        return SIGNAL
-    if args.exit_duration_in_mins and (time.time() - training._TRAIN_START_TIME) / 60.0 > args.exit_duration_in_mins:
-        return DURATION
-    return GO_ON
 
 
 def _activation_shape(args, config) -> tuple:

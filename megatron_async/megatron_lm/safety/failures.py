@@ -104,9 +104,13 @@ def record_error(message: str) -> None:
 def install_excepthook() -> None:
     """For entries without our launcher: an uncaught refusal or stop of ours ends the
     process with our one line and its exit code instead of a traceback."""
-    previous = sys.excepthook
+    sys.excepthook = excepthook_over(sys.excepthook)
+
+
+def excepthook_over(previous):
+    """Our excepthook in front of `previous` (`previous` itself if it is ours already)."""
     if getattr(previous, "megatron_async", False):
-        return
+        return previous
 
     def hook(kind, err, tb):
         ours = our_line(err)
@@ -122,4 +126,4 @@ def install_excepthook() -> None:
         os._exit(ours[1])  # process groups may hold threads that would block a normal exit
 
     hook.megatron_async = True
-    sys.excepthook = hook
+    return hook
