@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
-import torch
-
+# torch is imported by the functions that write and read the files: the --save lock
+# (safety/save_lock.py) imports this module's error class in processes that load no torch.
 SUBDIR = "megatron_async"
 
 
@@ -46,11 +46,15 @@ def save(checkpoint_dir: str, state: dict) -> None:
     """Write this rank's state (atomically: a crash leaves no half-written file)."""
     path = rank_file(checkpoint_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    import torch
+
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
 def load(checkpoint_dir: str) -> dict:
+    import torch
+
     path = rank_file(checkpoint_dir)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
