@@ -3,6 +3,7 @@
 Reference: the same model, data and initial weights at PP=1 with
 `simulated_delay=1` (the gradient of batch b is taken at the weights of step
 max(b-1, 0)). Layouts are initialised by parameter name so they start equal.
+The references and twins several tests compare against run once (shared_run).
 Tolerance: fp32 on CPU; a pipeline changes no reduction order inside a layer, so
 the trajectories agree to float round-off (observed: bitwise); we allow 1e-6.
 """
@@ -10,7 +11,7 @@ the trajectories agree to float round-off (observed: bitwise); we allow 1e-6.
 import pytest
 import torch
 
-from tests.support.multiprocess import run_distributed
+from tests.support.multiprocess import run_distributed, shared_run
 from tests.support.tiny_gpt import TinyGPT, train_entry
 from tests.support.trajectory import assert_same_trajectory
 
@@ -20,32 +21,32 @@ RTOL = ATOL = 1e-6
 
 
 def _reference(**overrides):
-    (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, **{**COMMON, **overrides}), STEPS)
+    (ref,) = shared_run(train_entry, 1, TinyGPT(simulated_delay=1, **{**COMMON, **overrides}), STEPS)
     return ref
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_2bw_equals_simulated_one_step_delay(pp):
     ref = _reference()
-    results = run_distributed(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", **COMMON), STEPS)
+    results = shared_run(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", **COMMON), STEPS)
     assert_same_trajectory(ref, results, RTOL, ATOL)
 
 
 def test_2bw_stage_local_clipping_equals_reference_with_the_same_rule():
     clipped = {**COMMON, "clip_grad": 0.05}  # small enough that every step clips
-    (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **clipped), STEPS)
-    results = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **clipped), STEPS)
+    (ref,) = shared_run(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **clipped), STEPS)
+    results = shared_run(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **clipped), STEPS)
     assert_same_trajectory(ref, results, RTOL, ATOL)
     # and the rule matters: one global norm gives another trajectory
-    (global_ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, **clipped), STEPS)
+    (global_ref,) = shared_run(train_entry, 1, TinyGPT(simulated_delay=1, **clipped), STEPS)
     with pytest.raises(AssertionError):
         assert_same_trajectory(global_ref, results, RTOL, ATOL)
 
 
 def test_2bw_differs_from_synchronous_training():
     """The equivalence check can fail: 2BW is not the synchronous trajectory."""
-    (sync,) = run_distributed(train_entry, 1, TinyGPT(**COMMON), STEPS)
-    results = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), STEPS)
+    (sync,) = shared_run(train_entry, 1, TinyGPT(**COMMON), STEPS)
+    results = shared_run(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), STEPS)
     with pytest.raises(AssertionError):
         assert_same_trajectory(sync, results, RTOL, ATOL)
 
@@ -61,7 +62,7 @@ def _assert_layout_tolerance_tells_versions_apart(results, **overrides):
     """Negative control at LAYOUT's tolerance: the same run against a reference at the wrong
     weight version (no delay, and a two-step delay) must fail the comparison."""
     for delay in (0, 2):
-        (wrong,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=delay, **{**COMMON, **overrides}), STEPS)
+        (wrong,) = shared_run(train_entry, 1, TinyGPT(simulated_delay=delay, **{**COMMON, **overrides}), STEPS)
         with pytest.raises(AssertionError):
             assert_same_trajectory(wrong, results, *LAYOUT)
 
@@ -71,7 +72,7 @@ def test_2bw_with_data_parallel_distributed_optimizer(overlap_grad_reduce):
     ref = _reference(use_distributed_optimizer=True)
     spec = TinyGPT(pp=2, schedule="2bw", use_distributed_optimizer=True, overlap_grad_reduce=overlap_grad_reduce,
                    **COMMON)
-    results = run_distributed(train_entry, 4, spec, STEPS)
+    results = shared_run(train_entry, 4, spec, STEPS)
     assert_same_trajectory(ref, results, *LAYOUT)
     if not overlap_grad_reduce:
         _assert_layout_tolerance_tells_versions_apart(results, use_distributed_optimizer=True)
@@ -80,13 +81,13 @@ def test_2bw_with_data_parallel_distributed_optimizer(overlap_grad_reduce):
 def test_2bw_with_tensor_parallel():
     ref = _reference()
     spec = TinyGPT(pp=2, tp=2, schedule="2bw", **COMMON)
-    results = run_distributed(train_entry, 4, spec, STEPS)
+    results = shared_run(train_entry, 4, spec, STEPS)
     assert_same_trajectory(ref, results, *LAYOUT)
     _assert_layout_tolerance_tells_versions_apart(results)
 
 
 def test_two_weight_buffers_per_stage():
-    results = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), 3)
+    results = shared_run(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **COMMON), 3)
     for r in results:
         assert r["weight_buffers"] == 2
         # the overhead is exactly one extra copy of the stage's own parameters
@@ -96,7 +97,7 @@ def test_two_weight_buffers_per_stage():
 
 def test_stale_global_clipping_uses_previous_steps_global_norm():
     spec = TinyGPT(pp=2, schedule="2bw", clip_grad_mode="stale-global", **{**COMMON, "clip_grad": 0.05})
-    results = run_distributed(train_entry, 2, spec, 6)
+    results = shared_run(train_entry, 2, spec, 6)
     local = [r["norm_local"] for r in results]  # [stage][step][call]
     for r in results:
         used = r["norm_used"]
@@ -106,7 +107,7 @@ def test_stale_global_clipping_uses_previous_steps_global_norm():
                 expected = sum(stage[step - 1][call] ** 2 for stage in local) ** 0.5
                 assert value == pytest.approx(expected, rel=1e-12)
     # stale-global clipping is a different trajectory from stage-local clipping
-    stage_local = run_distributed(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **{**COMMON, "clip_grad": 0.05}), 6)
+    stage_local = shared_run(train_entry, 2, TinyGPT(pp=2, schedule="2bw", **{**COMMON, "clip_grad": 0.05}), 6)
     assert results[1]["losses"] != stage_local[1]["losses"]
 
 
@@ -114,8 +115,8 @@ def test_2bw_with_expert_parallel_moe_and_stage_local_clipping():
     """PP=2 x EP=2 (4 experts, all-to-all), clipping every step: expert gradient norms
     sum over the stage's expert-parallel ranks, dense ones do not."""
     moe = {**COMMON, "clip_grad": 0.05, "num_experts": 4, "moe_token_dispatcher_type": "alltoall"}
-    (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **moe), STEPS)
-    results = run_distributed(train_entry, 4, TinyGPT(pp=2, ep=2, schedule="2bw", **moe), STEPS)
+    (ref,) = shared_run(train_entry, 1, TinyGPT(simulated_delay=1, clip_stages=2, **moe), STEPS)
+    results = shared_run(train_entry, 4, TinyGPT(pp=2, ep=2, schedule="2bw", **moe), STEPS)
     assert_same_trajectory(ref, results, *LAYOUT)
 
 
@@ -125,7 +126,7 @@ def test_an_early_stop_drains_the_pipeline_without_training_further(stop):
     every stage ends (the harness times out on a hang) having run no forward beyond the
     warm-up of the next batch, and holding no pending send."""
     spec = TinyGPT(pp=4, schedule="2bw", planned_iterations=500, **COMMON)
-    results = run_distributed(train_entry, 4, spec, stop + 1)
+    results = shared_run(train_entry, 4, spec, stop + 1)
     m = spec.num_microbatches(4)
     for r in results:
         assert r["forwards"] <= (stop + 2) * m, (r["rank"], r["forwards"])
@@ -150,7 +151,7 @@ def test_2bw_with_gradient_accumulation_fusion_equals_its_twin(pp):
     """Megatron's local layers accumulating weight gradients straight into main_grad
     (the CPU emulation's kernel) and DDP skipping their dummy gradients."""
     ref = _reference(gradient_accumulation_fusion=True)
-    results = run_distributed(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", gradient_accumulation_fusion=True,
+    results = shared_run(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", gradient_accumulation_fusion=True,
                                                        **COMMON), STEPS)
     assert_same_trajectory(ref, results, RTOL, ATOL)
     if pp == 2:  # negative control: the fused kernel is what runs (overwriting changes the trajectory)

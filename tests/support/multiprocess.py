@@ -10,6 +10,7 @@ rank is killed before the call returns, so no process outlives its test.
 
 from __future__ import annotations
 
+import copy
 import io
 import multiprocessing as mp
 import os
@@ -210,3 +211,18 @@ def run_distributed(
             proc.join(timeout=10)
         queue.close()
         del store  # the store's server stops with the job
+
+
+_SHARED_RUNS: dict = {}
+
+
+def shared_run(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """`run_distributed` of the same entry and arguments once per test process: for the
+    runs that several tests compare against (a reference, a twin). Training runs are
+    deterministic (fixed seeds, fp32, gloo), so a second run would repeat the first; each
+    caller gets its own copy. Only for comparisons between different arguments: a test
+    that checks a run against a rerun of itself must call run_distributed."""
+    key = (fn.__module__, fn.__qualname__, world_size, repr(args), repr(sorted(kwargs.items())))
+    if key not in _SHARED_RUNS:
+        _SHARED_RUNS[key] = run_distributed(fn, world_size, *args, **kwargs)
+    return copy.deepcopy(_SHARED_RUNS[key])
