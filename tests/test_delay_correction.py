@@ -20,7 +20,7 @@ import torch
 
 from megatron_async.corrections.delay_correction import DelayCorrection, DelayCorrectedOptimizer, torch_optimizers
 from tests.support.launch import torchrun_megatron
-from tests.support.multiprocess import run_distributed
+from tests.support.multiprocess import run_distributed, shared_run
 from tests.support.tiny_gpt import TinyGPT
 from tests.support.trajectory import assert_same_trajectory
 from tests.support.warm_launch import warm_run
@@ -42,7 +42,7 @@ def ef_train_entry(rank, world_size, spec, iterations, ef_lambda):
 
 
 def _run(world, spec, ef_lambda, steps=STEPS):
-    return run_distributed(ef_train_entry, world, spec, steps, ef_lambda)
+    return shared_run(ef_train_entry, world, spec, steps, ef_lambda)
 
 
 # --- the rule, without Megatron ----------------------------------------------------

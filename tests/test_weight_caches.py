@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.support.multiprocess import RankError, run_distributed
+from tests.support.multiprocess import RankError, run_distributed, shared_run
 from tests.support.tiny_gpt import TinyGPT, train_entry
 from tests.support.trajectory import assert_same_trajectory
 
@@ -31,12 +31,12 @@ def _raised(failure, error: str) -> str:
 
 
 def _twin(**options):
-    (ref,) = run_distributed(train_entry, 1, TinyGPT(simulated_delay=1, **COMMON, **options), STEPS)
+    (ref,) = shared_run(train_entry, 1, TinyGPT(simulated_delay=1, **COMMON, **options), STEPS)
     return ref
 
 
 def _two_bw(pp, entry=train_entry, **options):
-    return run_distributed(entry, pp, TinyGPT(pp=pp, schedule="2bw", **COMMON, **options), STEPS)
+    return shared_run(entry, pp, TinyGPT(pp=pp, schedule="2bw", **COMMON, **options), STEPS)
 
 
 # --- rank-side variants (module level, so they pickle) ------------------------------
