@@ -44,16 +44,16 @@ def _reads_entry(rank, world_size, former):
 
     real = two_bw.TwoBWRunner.train_step
 
-    def former_train_step(self, step):  # the check before LossFlag, on the same executor
-        reports, result = self.executor.train_step(step)
+    def former_train_step(self, step, data_for):  # the check before LossFlag, on the same executor
+        reports, result = self.executor.train_step(step, data_for)
         check_finite(step + 1, self.links.stage, None, report_losses(reports))
         return reports, result
 
     reads = []
 
-    def recorded(self, step):
+    def recorded(self, step, data_for):
         with _HostReads() as mode:
-            reports, result = (former_train_step if former else real)(self, step)
+            reports, result = (former_train_step if former else real)(self, step, data_for)
         losses = {v.untyped_storage().data_ptr() for r in reports for v in r.values() if isinstance(v, torch.Tensor)}
         reads.append((len(losses), sum(storage.data_ptr() in losses for storage in mode.storages)))
         return reports, result

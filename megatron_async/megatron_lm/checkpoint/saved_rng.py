@@ -5,7 +5,7 @@ batch t+1, drawing dropout masks. The saved RNG state is the one from before tha
 batch's first forward (`RngSnapshots.snapshot`, which adapter/runtime.py gives the 2bw
 runner as its batch-start callback; the hook on Megatron's `get_rng_state` saves
 `RngSnapshots.for_save`), so a resumed run, which repeats those forwards, draws the
-same masks as the uninterrupted one. The snapshots belong to the run (DelayedRun).
+same masks as the uninterrupted one. The snapshots belong to the run (adapter/runtime.TwoBWRun).
 """
 
 from __future__ import annotations
