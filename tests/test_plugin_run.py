@@ -6,7 +6,7 @@ args object is another run."""
 import pickle
 from types import SimpleNamespace
 
-from megatron_async.megatron_lm.adapter import plugin_run, runtime
+from megatron_async.megatron_lm.adapter import plugin_run
 
 
 def _args(**over):
@@ -14,7 +14,7 @@ def _args(**over):
 
 
 class _Delayed:
-    """Stands for the delayed run the optimizer hook builds (runtime.build_delayed_run)."""
+    """Stands for the delayed run the optimizer hook builds (plugin_run.build_delayed_run)."""
 
     step = None
 
@@ -35,8 +35,8 @@ def test_two_runs_in_one_process_share_nothing():
 def test_a_synchronous_run_has_no_delayed_state():
     sync = plugin_run.start(_args(pipeline_schedule="1f1b"))
     assert sync.delayed is None and sync.metrics is not None
-    assert runtime.run_class(_args(pipeline_schedule="1f1b")) is None  # the optimizer hook builds none
-    assert runtime.run_class(_args(pipeline_schedule=None, simulated_delay=1)) is not None
+    assert plugin_run.run_class(_args(pipeline_schedule="1f1b")) is None  # the optimizer hook builds none
+    assert plugin_run.run_class(_args(pipeline_schedule=None, simulated_delay=1)) is not None
 
 
 def test_megatrons_pickled_args_carry_nothing_of_the_run(tmp_path):

@@ -4,7 +4,7 @@ Streams this stage's action list from the `2bw` generator one batch at a time
 (schedules/stream_2bw.py), and holds the weight stash (two versions), the
 point-to-point links and the executor; exposes `train_step(t, data_for)`,
 `evaluate_iterators(...)`, `finish()` to Megatron's loop (through
-megatron_lm/adapter/runtime.TwoBWRun). At each OptimizerStep it finalises the
+megatron_lm/adapter/two_bw_run.TwoBWRun). At each OptimizerStep it finalises the
 gradients; Megatron's train_step then steps the optimizer (a DelayedStepOptimizer,
 which calls `before_optimizer_step` / `after_optimizer_step`).
 

@@ -12,7 +12,7 @@ NO_PIPELINE, PIPELINE, VIRTUAL_PIPELINE = "no pipeline", "pipeline", "virtual pi
 # runtime registers these too)
 TWO_BW_RUNTIME = dict(
     runtime="megatron_async.pipeline.two_bw:TwoBWRunner",
-    run="megatron_async.megatron_lm.adapter.runtime:TwoBWRun",
+    run="megatron_async.megatron_lm.adapter.two_bw_run:TwoBWRun",
     weight_versions=2,
     flag_checks="megatron_async.megatron_lm.adapter.flags:check_2bw",
     flag_defaults="megatron_async.megatron_lm.adapter.flags:DEFAULTS_2BW",

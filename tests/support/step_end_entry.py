@@ -64,7 +64,7 @@ def _old_step_end() -> None:
 
 def _old_exit_paths() -> None:
     """finish only when train returned normally; nothing when it raised or exited."""
-    from megatron_async.megatron_lm.adapter.runtime import TwoBWRun
+    from megatron_async.megatron_lm.adapter.two_bw_run import TwoBWRun
 
     finish = TwoBWRun.finish
 

@@ -119,8 +119,8 @@ def _get_megatron_optimizer(original):
             take_on_every_rank(margs.save)
             check_room(margs.save, model_chunks, margs)
         # the delayed run built whole around Megatron's optimizer (None: a synchronous run)
-        delayed = runtime.build_delayed_run(margs, model_chunks,
-                                            lambda: original(config, model_chunks, *args, **kwargs))
+        delayed = plugin_run.build_delayed_run(margs, model_chunks,
+                                               lambda: original(config, model_chunks, *args, **kwargs))
         plugin_run.start(margs, delayed)
         if delayed is None:
             return original(config, model_chunks, *args, **kwargs)
@@ -528,7 +528,7 @@ def _moe_metrics_sync(original):
     """Under 2bw, the MoE metrics (aux loss, ...) of this stage's layers only: Megatron
     sums them over the pipeline group every logged iteration, a collective across
     stages. Its own argument for the groups (`pg_collection`) gets this rank alone as the
-    pipeline group (made before training, runtime.TwoBWRun.build); the
+    pipeline group (made before training, two_bw_run.TwoBWRun.build); the
     reductions inside the stage (tensor, expert, data parallel) stay."""
 
     @functools.wraps(original)

@@ -2,8 +2,8 @@
 
 A `PluginRun` is made in the optimizer hook (the first hook that runs once per run, with
 its model and its optimizer), and carried by Megatron's own `args` object, which
-lives exactly as long as the run. It owns the delayed run (runtime.TwoBWRun under 2bw,
-runtime.SimulatedDelayRun under --simulated-delay, built whole by that hook), the
+lives exactly as long as the run. It owns the delayed run (two_bw_run.TwoBWRun under 2bw,
+simulated_delay_run.SimulatedDelayRun under --simulated-delay, built whole by that hook), the
 --metrics-json recorder and the MoE routing counts. Two runs in one process share
 nothing of it. What belongs to the process, not a run, stays with the process: the
 hooks installed into Megatron's modules (hooks.py), the launcher watch
@@ -25,7 +25,7 @@ class PluginRun:
         from megatron_async.megatron_lm.observability.metrics import MetricsRecorder
         from megatron_async.megatron_lm.observability.moe_routing import RoutingCounts
 
-        self.delayed = delayed  # runtime.TwoBWRun, runtime.SimulatedDelayRun, or None (synchronous)
+        self.delayed = delayed  # a runtime.DelayedRun (TwoBWRun, SimulatedDelayRun), or None (synchronous)
         self.metrics = MetricsRecorder()
         self.routing = RoutingCounts()
 
@@ -59,3 +59,24 @@ def delayed(args=None):
     """This run's delayed run (runtime.DelayedRun), or None (a synchronous run, or no run yet)."""
     run = current(args)
     return run.delayed if run is not None else None
+
+
+def run_class(args):
+    """The class of this run's delayed mode: the one the schedule's spec names (TwoBWRun for
+    2bw), SimulatedDelayRun under --simulated-delay, None for a synchronous run."""
+    from megatron_async.megatron_lm.adapter.simulated_delay_run import SimulatedDelayRun
+    from megatron_async.schedules.registry import schedule_or_default
+
+    spec = schedule_or_default(args.pipeline_schedule)
+    return spec.run_class() or (SimulatedDelayRun if args.simulated_delay else None)
+
+
+def build_delayed_run(args, model_chunks, make_optimizer):
+    """This run's delayed mode, built whole by the optimizer hook around `make_optimizer()`
+    (Megatron's), or None for a synchronous run (then that call is the hook's to make)."""
+    from megatron_async.schedules.registry import schedule_or_default
+
+    cls = run_class(args)
+    if cls is None:
+        return None
+    return cls.build(args, schedule_or_default(args.pipeline_schedule), model_chunks, make_optimizer)

@@ -42,7 +42,7 @@ def write_marker(root: str, iteration: int, contents: dict, create: bool = False
 
 
 def contents_to_save(run) -> dict:
-    """What a checkpoint of this delayed run (adapter/runtime.TwoBWRun or SimulatedDelayRun) holds of ours:
+    """What a checkpoint of this delayed run (adapter/runtime.DelayedRun) holds of ours:
     nothing without a stash or with --no-save-optim; otherwise where the per-rank state
     lives (inside the optimizer's sharded state dict for torch_dist, in per-rank files
     otherwise) and the layout it was saved at."""
