@@ -23,15 +23,16 @@ RTOL = ATOL = 1e-6
 def draining_entry(rank, world_size, spec, iterations, evaluate):
     """tiny_gpt's 2bw training with a drain (or an evaluation, which drains) after every step."""
     from megatron_async.pipeline import two_bw
+    from tests.support.two_bw_trainer import evaluate_microbatches
 
     counts = []
     train_step = two_bw.TwoBWRunner.train_step
 
-    def step_then_drain(self, step):
-        out = train_step(self, step)
+    def step_then_drain(self, step, data_for):
+        out = train_step(self, step, data_for)
         before = self.pending_sends
         if evaluate:
-            self.evaluate(list(microbatches(spec, 10_000 + step)))
+            evaluate_microbatches(self, list(microbatches(spec, 10_000 + step)))
         else:
             self.drain()
         counts.append((before, self.pending_sends))

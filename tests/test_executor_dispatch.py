@@ -12,6 +12,7 @@ from megatron_async.schedules.generators import generate
 def _executor(actions, stage: int, p: int, m: int, monkeypatch, ran: list):
     from megatron_async.pipeline import executor as ex
     from megatron_async.pipeline.p2p import StageLinks
+    from megatron_async.pipeline.stage_context import StageContext
 
     def post_run(run, links, outgoing, shape, dtype, device):
         kinds = {RecvActivation: "act", RecvGrad: "grad"}
@@ -20,10 +21,14 @@ def _executor(actions, stage: int, p: int, m: int, monkeypatch, ran: list):
     monkeypatch.setattr(ex, "post_run", post_run)
     monkeypatch.setattr(ex, "get_model_config", lambda model: None)
     monkeypatch.setattr(ex.parallel_state, "get_context_parallel_world_size", lambda: 1)
-    e = ex.StageExecutor(None, actions, StageLinks(stage, p, None, None, None), None, None, None,
-                         step_func=lambda t: ran.append(OptimizerStep(t)), num_microbatches=m,
-                         activation_shape=None, dtype=None, device=None, final_step=0, first_step=0)
-    e._forward = e._backward = ran.append  # compute replaced by a recorder
+    class Steps(ex.StageEvents):
+        def optimizer_step(self, step):
+            ran.append(OptimizerStep(step))
+
+    context = StageContext(None, StageLinks(stage, p, None, None, None), None, None, m, None, None, None)
+    e = ex.StageExecutor(context, actions, Steps())
+    e._forward = lambda action, _data_for: ran.append(action)  # compute replaced by a recorder
+    e._backward = ran.append
     return e
 
 
@@ -34,11 +39,11 @@ def test_an_action_the_executor_cannot_run_stops_it_by_name(name, monkeypatch):
     ran: list = []
     e = _executor(lists[0], 0, p, m, monkeypatch, ran)
     if name == "1f1b":  # control: every compute action runs
-        e.train_step(0)
+        e.train_step(0, None)
         assert len(ran) == sum(1 for a in lists[0] if not is_comm(a))
         return
     with pytest.raises(ScheduleError, match=r"stage 0: the executor cannot run BackwardInput\(") as err:
-        e.train_step(0)
+        e.train_step(0, None)
     assert "BackwardInput" in str(err.value) and "Forward" in str(err.value)
 
 
@@ -50,11 +55,11 @@ def test_an_action_on_a_chunk_the_stage_does_not_hold_stops_it(name, monkeypatch
     ran: list = []
     e = _executor(lists[0], 0, p, m, monkeypatch, ran)
     if name == "1f1b":  # control: a one-chunk list runs to its end
-        e.train_step(0)
+        e.train_step(0, None)
         assert ran and all(getattr(a, "chunk", 0) == 0 for a in ran)
         return
     with pytest.raises(ScheduleError, match=r"runs model chunk 1, but this stage holds one chunk"):
-        e.train_step(0)
+        e.train_step(0, None)
     assert all(getattr(a, "chunk", 0) == 0 for a in ran)
 
 
@@ -66,16 +71,17 @@ def test_an_evaluation_leaves_the_model_in_train_mode_however_it_ends(fails, mon
 
     from megatron_async.pipeline import two_bw
     from megatron_async.pipeline.p2p import StageLinks
+    from megatron_async.pipeline.stage_context import StageContext
     from megatron_async.schedules.actions import Forward
 
     seen = {}
 
     class FakeExecutor:
-        def __init__(self, model, actions, links, stash, *args, forward_only=False, **kwargs):
-            self.model = model
-            seen.update(actions=list(actions), forward_only=forward_only)
+        def __init__(self, context, actions, events=None, stream=None):
+            self.model = context.model
+            seen.update(actions=list(actions), forward_only=events is None)
 
-        def run_forward_only(self):
+        def run_forward_only(self, data_for):
             seen["training"] = self.model.training
             if fails:
                 raise RuntimeError("a forward failed")
@@ -86,7 +92,7 @@ def test_an_evaluation_leaves_the_model_in_train_mode_however_it_ends(fails, mon
     runner.model = torch.nn.Linear(2, 2)
     runner.stash = type("Stash", (), {"newest": 3})()
     runner.eval_links = StageLinks(0, 1, None, None, None)
-    runner.shape, runner.dtype, runner.device, runner.forward_step_func = None, None, None, None
+    runner.context = StageContext(runner.model, None, runner.stash, None, 2, None, None, None)
     runner.drain = lambda: None
     if fails:
         with pytest.raises(RuntimeError, match="a forward failed"):

@@ -151,6 +151,7 @@ def executor_posts(s: TwoBWStream, stage: int, stop, drains, monkeypatch) -> lis
     runner builds it, over the run `runtime_lists` describes."""
     from megatron_async.pipeline import executor as ex
     from megatron_async.pipeline.p2p import StageLinks
+    from megatron_async.pipeline.stage_context import StageContext
 
     posted = []
 
@@ -162,14 +163,14 @@ def executor_posts(s: TwoBWStream, stage: int, stop, drains, monkeypatch) -> lis
     monkeypatch.setattr(ex, "post_run", post_run)
     monkeypatch.setattr(ex, "get_model_config", lambda model: None)
     monkeypatch.setattr(ex.parallel_state, "get_context_parallel_world_size", lambda: 1)
-    final = s.first + s.n - 1
-    e = ex.StageExecutor(
-        None, s.actions(stage), StageLinks(stage, s.p, None, None, None), None, None, None,
-        step_func=lambda t: posted.append(OptimizerStep(t)), num_microbatches=s.m, activation_shape=None,
-        dtype=None, device=None, prev_segment=(lambda t: s.segment(stage - 1, t - s.first)) if stage else None,
-        final_step=final, first_step=s.first)
+    class Steps(ex.StageEvents):
+        def optimizer_step(self, step):
+            posted.append(OptimizerStep(step))
 
-    def forward(a):  # what the real forward consumes and keeps
+    context = StageContext(None, StageLinks(stage, s.p, None, None, None), None, None, s.m, None, None, None)
+    e = ex.StageExecutor(context, s.actions(stage), Steps(), s)
+
+    def forward(a, _data_for):  # what the real forward consumes and keeps
         posted.append(a)
         if stage:
             e._received.pop(("act", a.microbatch))
@@ -183,7 +184,7 @@ def executor_posts(s: TwoBWStream, stage: int, stop, drains, monkeypatch) -> lis
 
     e._forward, e._backward = forward, backward
     for b in range((s.n - 1 if stop is None else stop) + 1):
-        e.train_step(s.first + b)
+        e.train_step(s.first + b, None)
         posted.append(StepEnd(s.first + b))
         if b in drains and (stop is None or b < stop):
             e.drain()

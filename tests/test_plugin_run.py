@@ -13,9 +13,15 @@ def _args(**over):
     return SimpleNamespace(**{"pipeline_schedule": "2bw", "simulated_delay": 0, **over})
 
 
+class _Delayed:
+    """Stands for the delayed run the optimizer hook builds (plugin_run.build_delayed_run)."""
+
+    step = None
+
+
 def test_two_runs_in_one_process_share_nothing():
     first_args, second_args = _args(), _args()
-    first, second = plugin_run.start(first_args), plugin_run.start(second_args)
+    first, second = plugin_run.start(first_args, _Delayed()), plugin_run.start(second_args, _Delayed())
     assert plugin_run.start(first_args) is first and plugin_run.current(first_args) is first
     assert first is not second
     for part in ("delayed", "metrics", "routing"):
@@ -29,7 +35,8 @@ def test_two_runs_in_one_process_share_nothing():
 def test_a_synchronous_run_has_no_delayed_state():
     sync = plugin_run.start(_args(pipeline_schedule="1f1b"))
     assert sync.delayed is None and sync.metrics is not None
-    assert plugin_run.start(_args(pipeline_schedule=None, simulated_delay=1)).delayed is not None
+    assert plugin_run.run_class(_args(pipeline_schedule="1f1b")) is None  # the optimizer hook builds none
+    assert plugin_run.run_class(_args(pipeline_schedule=None, simulated_delay=1)) is not None
 
 
 def test_megatrons_pickled_args_carry_nothing_of_the_run(tmp_path):

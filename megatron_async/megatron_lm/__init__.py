@@ -2,7 +2,8 @@
 
 - `adapter/`: what plugs 2bw into Megatron's training loop: every hooked name and
   `install()` (hooks.py), our flags and their checks (flags.py, optimizer_probe.py),
-  the delayed run and its optimizer (runtime.py), the one object per training run
+  the delayed runs and their optimizer (runtime.py; one class per mode: two_bw_run.py,
+  simulated_delay_run.py), the one object per training run
   (plugin_run.py), the GPT entry point (gpt.py) and the layout-invariant weight
   initialisation (layout_invariant_init.py).
 - `checkpoint/`: what a Megatron checkpoint holds of ours and how it gets there: the

@@ -1,6 +1,6 @@
 """The delayed optimizer step, in one place for both callers: Megatron's optimizer wrap
 (megatron_lm/adapter/runtime.DelayedStepOptimizer, inside Megatron's train_step) and the 2bw
-runner stepping its own optimizer (pipeline/two_bw.TwoBWRunner, the small trainer of the
+runner stepping its own optimizer (tests/support/two_bw_trainer.py, the small trainer of the
 tests)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Executes one stage's action list (from a schedule generator) on a Megatron model.
 
 The executor is a loop over actions: Forward/Backward run the stage's module at the
-action's weight version (through the WeightStashManager), OptimizerStep calls the
-runner's step function (gradient sync and optimizer step, or only the sync when
+action's weight version (through the WeightStashManager), OptimizerStep calls its
+owner's `optimizer_step` (StageEvents: the gradient sync, and the optimizer step unless
 Megatron's training loop steps the optimizer itself), and runs of
 communication actions are posted together over point-to-point links. Pipeline
 state (activations in flight, pending sends) persists between training steps:
@@ -26,64 +26,63 @@ import collections
 import contextlib
 from typing import Callable, Iterable, Iterator, Optional
 
-import torch
 from megatron.core.pipeline_parallel import schedules
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
-from megatron_async.pipeline.p2p import PendingSends, StageLinks, post_run
+from megatron_async.pipeline.p2p import PendingSends, post_run
+from megatron_async.pipeline.stage_context import StageContext
 from megatron_async.schedules.actions import (Backward, Forward, OptimizerStep, RecvActivation, ScheduleError,
                                               SendActivation, is_comm)
 from megatron_async.stash import fused_wgrad
-from megatron_async.stash.weight_stash import WeightStashManager
+
+DataFor = Callable[[int], Iterator]  # microbatch index -> the iterator Megatron's forward step reads
+
+
+class StageEvents:
+    """What the owner of a training executor does at its points (the 2bw runner)."""
+
+    def optimizer_step(self, step: int):
+        """At OptimizerStep(step): gradient sync, and the step or nothing (Megatron steps next)."""
+        raise NotImplementedError
+
+    def batch_started(self, batch: int) -> None:
+        """Before this stage's first forward of `batch` (e.g. an RNG snapshot)."""
+
+    def batch_sent(self, batch: int) -> None:
+        """Once this stage posted the send of `batch`'s last activation."""
+
+
+def _no_data(k: int) -> Iterator:
+    raise ScheduleError(f"a forward of microbatch {k} where the executor was given no data (finish runs sends only)")
 
 
 class StageExecutor:
     """Runs a stage's actions for a whole training run, one optimizer step at a time."""
 
-    def __init__(
-        self,
-        model,
-        actions: Iterable,
-        links: StageLinks,
-        stash: WeightStashManager,
-        forward_step_func: Callable,
-        data_for: Callable[[int], Iterator],
-        step_func: Callable[[int], tuple],
-        num_microbatches: int,
-        activation_shape: tuple,
-        dtype: torch.dtype,
-        device: torch.device,
-        on_batch_start: Optional[Callable[[int], None]] = None,
-        on_batch_sent: Optional[Callable[[int], None]] = None,
-        prev_segment: Optional[Callable[[int], list]] = None,
-        final_step: Optional[int] = None,
-        first_step: int = 0,
-        forward_only: bool = False,
-    ):
+    def __init__(self, context: StageContext, actions: Iterable, events: Optional[StageEvents] = None, stream=None):
         """`actions`: this stage's list, consumed as it runs (a lazy stream for long runs).
-        `prev_segment(t)`: the previous stage's actions up to its OptimizerStep(t) (None on
-        the first stage) and `final_step`: the run's last step; both read by `finish`."""
+        `events`: the owner a training run calls at its optimizer steps and batch edges;
+        None: an evaluation pass (forward only). `stream` (a TwoBWStream): the run's first and
+        last step and the previous stage's segments, read by `train_step` and `finish`."""
+        model, links = context.model, context.links
+        self.context = context
         self.model = model
         self.actions = iter(actions)
         self._lookahead: collections.deque = collections.deque()
-        self.prev_segment = prev_segment
-        self.final_step = final_step
+        self.stream = stream
+        self.final_step = stream.first + stream.n - 1 if stream is not None else None  # the run's last step
         self.last_step: Optional[int] = None  # the last OptimizerStep run
-        self.first_step = first_step  # the first OptimizerStep of this run (a resumed run starts later)
-        self.forward_only = forward_only  # an evaluation pass: no backward follows, no activation is kept
+        self.first_step = stream.first if stream is not None else 0  # a resumed run starts later
+        self.events = events
+        self.forward_only = events is None  # an evaluation pass: no backward follows, no activation is kept
         self.forwards = 0
         self.links = links
-        self.stash = stash
-        self.forward_step_func = forward_step_func
-        self.data_for = data_for
-        self.step_func = step_func
-        self.m = num_microbatches
-        self.on_batch_start = on_batch_start  # called before a batch's first forward (e.g. RNG snapshot)
-        self.on_batch_sent = on_batch_sent  # called once a batch's last activation send is posted
-        self.shape = activation_shape
-        self.dtype = dtype
-        self.device = device
+        self.stash = context.stash
+        self.m = context.num_microbatches
+        self.shape = context.activation_shape
+        self.dtype = context.dtype
+        self.device = context.device
         self.is_first = links.stage == 0
         self.is_last = links.stage == links.num_stages - 1
         self.config = get_model_config(model)
@@ -94,7 +93,7 @@ class StageExecutor:
         self._reports: dict = {}  # batch -> list of loss reports
         self._drained: set = set()  # microbatches whose activation drain() received early
         self._fused: dict = {}  # hooked microbatch -> its fused weights (stash/fused_wgrad.py)
-        self.pending_sends = PendingSends(num_microbatches)
+        self.pending_sends = PendingSends(self.m)
         # the compute actions this executor runs; any other raises (a zero-bubble list's
         # split backward would otherwise be skipped)
         self._compute: dict = {Forward: "_forward", Backward: "_backward", OptimizerStep: "_step_and_retire"}
@@ -104,11 +103,11 @@ class StageExecutor:
     # as its 1F1B calls them: loss normalisation, the MoE auxiliary-loss and MTP loss
     # scales, autocast, grad scaling, freeing a sent output's data. Only the weight
     # version around them is ours.
-    def _forward(self, action: Forward) -> None:
+    def _forward(self, action: Forward, data_for: DataFor) -> None:
         k = action.microbatch
         self.forwards += 1
-        if self.on_batch_start is not None and k % self.m == 0:
-            self.on_batch_start(k // self.m)
+        if self.events is not None and k % self.m == 0:
+            self.events.batch_started(k // self.m)
         input_tensor = None
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
@@ -118,10 +117,10 @@ class StageExecutor:
         # guard fires at once. By the microbatch's index, not this process's first forward:
         # a resumed run then hooks exactly the forwards the uninterrupted run hooked (with
         # tied embeddings and MTP a hooked forward's backward rounds differently).
-        hooks = not self.forward_only and (k // self.m > self._next_step() or k == 0)
+        hooks = not self.forward_only and (k // self.m > self.next_step or k == 0)
         with self.stash.use(action.version, hooks=hooks):
             output, _ = schedules.forward_step(
-                self.forward_step_func, self.data_for(k), self.model, self.m, input_tensor, reports, self.config,
+                self.context.forward_step_func, data_for(k), self.model, self.m, input_tensor, reports, self.config,
                 self.cp_size, is_first_microbatch=k % self.m == 0, current_microbatch=k % self.m,
                 is_last_stage=self.is_last)
         if hooks:  # its backward sees plain tensors for the Parameters (stash/fused_wgrad.py)
@@ -146,12 +145,15 @@ class StageExecutor:
         if not self.is_first:
             self._outgoing[("grad", k)] = input_grad
 
-    def _next_step(self) -> int:
-        """The next OptimizerStep this stage runs: it applies batch `_next_step()`."""
+    @property
+    def next_step(self) -> int:
+        """The next OptimizerStep this stage runs: it applies batch `next_step`."""
         return self.first_step if self.last_step is None else self.last_step + 1
 
     def _optimizer_step(self, action: OptimizerStep):
-        return self.step_func(action.step)
+        if self.events is None:
+            raise ScheduleError(f"stage {self.links.stage}: {action!r} in a forward-only pass")
+        return self.events.optimizer_step(action.step)
 
     # --- driver ----------------------------------------------------------------
     def _peek(self):
@@ -174,19 +176,19 @@ class StageExecutor:
             run.append(action)
         return run
 
-    def _run_until(self, stop: Optional[int]) -> tuple[bool, object]:
-        """Run actions until OptimizerStep(stop) has run (or to the end if stop is None);
-        returns (whether it was found, the step function's result)."""
+    def _run_until(self, stop: Optional[int], data_for: DataFor) -> tuple[bool, object]:
+        """Run actions until OptimizerStep(stop) has run (or to the end if stop is None),
+        forwards reading `data_for(k)`; returns (whether it was found, the step's result)."""
         while (action := self._peek()) is not None:
             if is_comm(action):
                 run = self._comm_run()
                 received, sends = post_run(run, self.links, self._outgoing, self.shape, self.dtype, self.device)
                 self._received.update(received)
                 self.pending_sends.add(sends)
-                if self.on_batch_sent is not None:
+                if self.events is not None:
                     for a in run:
                         if isinstance(a, SendActivation) and a.microbatch % self.m == self.m - 1:
-                            self.on_batch_sent(a.microbatch // self.m)
+                            self.events.batch_sent(a.microbatch // self.m)
                 continue
             name = self._compute.get(type(action))
             if name is None:
@@ -198,7 +200,7 @@ class StageExecutor:
                                     "but this stage holds one chunk (0): an interleaved list needs a virtual "
                                     "pipeline, which 2bw does not run")
             self._lookahead.popleft()
-            result = getattr(self, name)(action)
+            result = self._forward(action, data_for) if name == "_forward" else getattr(self, name)(action)
             if isinstance(action, OptimizerStep) and stop is not None and action.step == stop:
                 return True, result
         return False, None
@@ -213,12 +215,13 @@ class StageExecutor:
         """The loss reports of batch `step` so far (all of them once its last forward ran)."""
         return self._reports.get(step, [])
 
-    def train_step(self, step: int) -> tuple[list, tuple]:
-        """Run up to and including this stage's optimizer step `step`.
+    def train_step(self, step: int, data_for: DataFor) -> tuple[list, tuple]:
+        """Run up to and including this stage's optimizer step `step`, forwards reading
+        `data_for(k)` (warm-up forwards of later batches too).
 
         Returns (loss reports of batch `step` on the last stage, optimizer result).
         """
-        found, result = self._run_until(step)
+        found, result = self._run_until(step, data_for)
         if not found:
             raise RuntimeError(f"stage {self.links.stage}: no OptimizerStep({step}) left in its schedule")
         self._receive_sent_ahead()
@@ -240,21 +243,22 @@ class StageExecutor:
         (schedules/link_order.py `check_step_ends`). They are kept for their
         forwards, whose receives are then not posted again.
         """
-        if self.last_step is None or self.prev_segment is None:
+        if self.last_step is None or self.stream is None or self.is_first:
             return
         first_next = (self.last_step + 1) * self.m  # batch last_step + 1's first microbatch
         received = {k for kind, k in self._received if kind == "act"} | set(self._inflight) | self._drained
-        missing = [RecvActivation(a.microbatch, self.links.stage - 1) for a in self.prev_segment(self.last_step)
+        previous = self.stream.segment(self.links.stage - 1, self.last_step - self.stream.first)
+        missing = [RecvActivation(a.microbatch, self.links.stage - 1) for a in previous
                    if isinstance(a, SendActivation) and a.microbatch >= first_next and a.microbatch not in received]
         if missing:
             got, _ = post_run(missing, self.links, {}, self.shape, self.dtype, self.device)
             self._received.update(got)
             self._drained.update(a.microbatch for a in missing)
 
-    def run_forward_only(self) -> list:
+    def run_forward_only(self, data_for: DataFor) -> list:
         """Run a forward-only list to its end and wait for its sends; the loss reports
         (last stage) of its microbatches, in order."""
-        self._run_until(None)
+        self._run_until(None, data_for)
         self.drain()
         return [report for batch in sorted(self._reports) for report in self._reports[batch]]
 
@@ -276,5 +280,5 @@ class StageExecutor:
         hold NCCL at exit; what the drain receives is never used.
         """
         if self.last_step is not None and self.last_step == self.final_step:
-            self._run_until(None)
+            self._run_until(None, _no_data)
         self.drain()

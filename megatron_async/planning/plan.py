@@ -63,7 +63,7 @@ import json
 import sys
 
 from megatron_async.megatron_lm.safety.save_space import CORRECTION_COPIES, stash_copies  # fp32 copies of the sharded main weights
-from megatron_async.schedules.registry import delayed_runtime
+from megatron_async.schedules.registry import schedule_or_default
 
 
 def _build_stage(config, args, layers: int, first: bool, last: bool, device: str = "meta"):
@@ -283,7 +283,7 @@ def plan(args) -> list[dict]:
                                  getattr(args, "pipeline_model_parallel_layout", None))
     grad_bytes = 4 if args.accumulate_allreduce_grads_in_fp32 else 2
     moments = 4 if "muon" in args.optimizer else 8
-    two_bw = delayed_runtime(args.pipeline_schedule)
+    two_bw = schedule_or_default(args.pipeline_schedule).runtime is not None  # 2bw's runner: its sends, tied link
     m = args.global_batch_size // (args.micro_batch_size * dp)  # microbatches a batch, per data-parallel rank
     p2p = stage_peaks(p, m) if two_bw else None
     on_completion = stage_peaks_on_completion(p, m) if two_bw else None

@@ -1,9 +1,13 @@
 """Schedule registry: one name per pipeline schedule, selected by `--pipeline-schedule`.
 
 A schedule may carry a Megatron-style forward-backward function (what the trainer
-runs), an action-list generator (what the validator and simulator read), or both.
-Functions are given as "module:attribute" strings and imported on first use, so the
-simulator and validator stay importable without Megatron-Core or torch.
+runs), an action-list generator (what the validator and simulator read), or both; one
+that our own runtime trains also says what that runtime needs (its runner, the run
+class that drives it inside Megatron's loop, the weight versions a stage keeps, the flag
+checks it refuses with). The flag checks, the Megatron hooks, the planner, the save-space
+check and the simulator read these fields, never the schedule's name. Functions are given
+as "module:attribute" strings and imported on first use, so the simulator and validator
+stay importable without Megatron-Core or torch.
 """
 
 from __future__ import annotations
@@ -26,13 +30,46 @@ class ScheduleSpec:
     runtime: FuncRef = None  # a persistent pipeline runner class (asynchronous schedules such as 2bw)
     requires_pipeline: bool = False  # True: only meaningful with PP > 1
     asynchronous: bool = False  # True: weights are updated without a pipeline flush (delayed gradients)
+    run: FuncRef = None  # the class that drives `runtime` in Megatron's loop: built by the optimizer hook
+    weight_versions: int = 1  # weight versions a stage keeps: the live ones, plus a stash of the others
+    flag_checks: FuncRef = None  # (args) -> None: refuses, naming the flag, what the runtime cannot honour
+    flag_defaults: Union[str, tuple, None] = None  # rows of Megatron defaults the runtime replaces (flags.py)
+    megatron_layout: Optional[str] = None  # a Megatron function's layout, the one Megatron picks it for
+
+    @property
+    def stash_copies(self) -> int:
+        """Copies of the weights a stage stashes beside the live ones."""
+        return self.weight_versions - 1
+
+    def runner_class(self) -> Optional[Callable]:
+        """The persistent pipeline runner of this schedule (None: none of ours)."""
+        return _resolve(self.runtime)
+
+    def run_class(self) -> Optional[Callable]:
+        """The class that trains this schedule in Megatron's loop (None: Megatron's own function)."""
+        return _resolve(self.run)
+
+    def check_flags(self, args) -> None:
+        """Refuse what this schedule's runtime cannot honour (FlagError, naming the flag)."""
+        check = _resolve(self.flag_checks)
+        if check is not None:
+            check(args)
+
+    def default_rows(self) -> tuple:
+        """The rows of Megatron defaults this schedule's runtime replaces."""
+        return _resolve(self.flag_defaults) or ()
+
+
+# Megatron's own choice when no --pipeline-schedule is given: nothing of ours to run or check
+MEGATRON_DEFAULT = ScheduleSpec(name="megatron")
 
 
 _REGISTRY: dict[str, ScheduleSpec] = {}
 
 
-def _resolve(ref: FuncRef) -> Optional[Callable]:
-    if ref is None or callable(ref):
+def _resolve(ref):
+    """The object a "module:attribute" string names (anything else as it is)."""
+    if not isinstance(ref, str):
         return ref
     module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -40,10 +77,16 @@ def _resolve(ref: FuncRef) -> Optional[Callable]:
 
 def register_schedule(name: str, **fields) -> ScheduleSpec:
     """Register `name`, or update the given fields of an existing registration."""
+    _load_builtins()
     spec = _REGISTRY.get(name)
     spec = replace(spec, **fields) if spec else ScheduleSpec(name=name, **fields)
     _REGISTRY[name] = spec
     return spec
+
+
+def unregister_schedule(name: str) -> None:
+    """Remove `name` (a plugin that registered a schedule for one use takes it away again)."""
+    _REGISTRY.pop(name, None)
 
 
 def available_schedules() -> list[str]:
@@ -79,19 +122,22 @@ def get_runtime(name: str) -> Callable:
     return runtime
 
 
-def delayed_runtime(name: Optional[str]) -> bool:
-    """True for a schedule our persistent runtime trains with delayed weights (2bw): the flag
-    checks, the Megatron hooks and the planner follow this, not the schedule's name. False
-    for no schedule and for a name not registered (the flag check names those)."""
+def schedule_or_default(name: Optional[str]) -> ScheduleSpec:
+    """The spec of `--pipeline-schedule name`, or MEGATRON_DEFAULT for none and for a name not
+    registered (the flag check refuses those, naming the flag)."""
     _load_builtins()
-    spec = _REGISTRY.get(name) if name else None
-    return bool(spec and spec.runtime is not None and spec.asynchronous)
+    return _REGISTRY.get(name, MEGATRON_DEFAULT) if name else MEGATRON_DEFAULT
+
+
+def megatron_schedule(layout: str) -> Optional[str]:
+    """The registered name of the function Megatron runs for `layout`."""
+    return next((name for name in available_schedules() if _REGISTRY[name].megatron_layout == layout), None)
 
 
 def is_runnable(name: str) -> bool:
-    """True if the trainer can run `name` (a Megatron function or our runtime)."""
+    """True if the trainer can run `name` (a Megatron function or our run class)."""
     spec = get_schedule(name)
-    return spec.forward_backward_func is not None or spec.runtime is not None
+    return spec.forward_backward_func is not None or spec.run is not None
 
 
 def get_schedule_generator(name: str) -> Callable:

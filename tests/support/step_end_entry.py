@@ -50,10 +50,10 @@ def _old_step_end() -> None:
 
     train_step, drain = StageExecutor.train_step, StageExecutor.drain
 
-    def train_step_without_receive(self, step: int):
+    def train_step_without_receive(self, step: int, data_for):
         self._receive_sent_ahead = lambda: None  # shadows the method for this call only
         try:
-            return train_step(self, step)
+            return train_step(self, step, data_for)
         finally:
             del self._receive_sent_ahead
 
@@ -66,16 +66,16 @@ def _old_step_end() -> None:
 
 def _old_exit_paths() -> None:
     """finish only when train returned normally; nothing when it raised or exited."""
-    from megatron_async.megatron_lm.adapter.runtime import DelayedRun
+    from megatron_async.megatron_lm.adapter.two_bw_run import TwoBWRun
 
-    finish = DelayedRun.finish
+    finish = TwoBWRun.finish
 
     def finish_unless_leaving(self):
         if sys.exc_info()[0] is None:
             finish(self)
 
-    DelayedRun.finish = finish_unless_leaving
-    DelayedRun.abandon = lambda self: None
+    TwoBWRun.finish = finish_unless_leaving
+    TwoBWRun.abandon = lambda self: None
 
 
 def _old_stash_start() -> None:
@@ -160,8 +160,8 @@ def _empty_cache_on_stage0() -> None:
     for name in ("_forward", "_backward"):
         compute = getattr(executor.StageExecutor, name)
 
-        def then_empty_cache(self, action, compute=compute):
-            compute(self, action)
+        def then_empty_cache(self, action, *data, compute=compute):
+            compute(self, action, *data)
             if self.is_first:
                 torch.cuda.empty_cache()
 

@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_async.megatron_lm.adapter import layout_invariant_init
 from megatron_async.planning.parallel import init_model_parallel
-from megatron_async.schedules.registry import delayed_runtime, get_forward_backward_func
+from megatron_async.schedules.registry import get_forward_backward_func, schedule_or_default
 from megatron_async.stash.delay_reference import version_for_step
 from tests.support.forward_step import gpt_forward_step, reduce_lm_loss
 from tests.support.model import attach_schedule_hooks, build_gpt_chunks, moe_settings, wrap_ddp
@@ -214,26 +214,32 @@ def _grads_present(model) -> bool:
 def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[str, Any]:
     """Train `iterations` steps; return losses (last stage), grad flags and final weights."""
     from megatron_async.pipeline.grad_stats import make_stage_local
-    from megatron_async.pipeline.two_bw import TwoBWRunner
+    from megatron_async.pipeline.stage_context import stage_context
     from megatron_async.stash.weight_stash import WeightStashManager
+    from tests.support.two_bw_trainer import SelfSteppingRunner, microbatch_data
 
     model, optimizer, config = build(spec)
     schedule = spec.schedule or ("1f1b" if spec.pp > 1 else "no-pipelining")
     num_micro = spec.num_microbatches(world_size)
     losses, grads_present, extra = [], [], {}
-    if delayed_runtime(schedule):
+    two_bw = schedule_or_default(schedule)
+    if two_bw.runtime is not None:
         make_stage_local(optimizer, spec.use_distributed_optimizer)
-        runner = TwoBWRunner(
-            model, optimizer, num_micro, spec.planned_iterations or iterations,
-            activation_shape=(spec.seq_length, spec.micro_batch_size, spec.hidden_size),
-            dtype=torch.float32, forward_step_func=gpt_forward_step,
-            get_microbatch=microbatch_getter(spec, num_micro),
-            clip_grad_mode=spec.clip_grad_mode,
-            stash=WeightStashManager(model, depth=1, predict=spec.weight_prediction,
-                                     guard_aliases=spec.stash_alias_guard),
-        )
+        assert len(model) == 1, "2bw runs one model chunk per stage (no virtual pipeline stages)"
+        stash = WeightStashManager(model, depth=two_bw.stash_copies, predict=spec.weight_prediction,
+                                   guard_aliases=spec.stash_alias_guard)
+        context = stage_context(model[0], stash, gpt_forward_step, num_micro,
+                                (spec.seq_length, spec.micro_batch_size, spec.hidden_size), torch.float32)
+        stale_norm = None
+        if spec.clip_grad_mode == "stale-global":
+            from megatron_async.pipeline.p2p import duplicate_pipeline_group
+            from megatron_async.pipeline.stale_global import StaleGlobalNorm
+
+            stale_norm = StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
+        runner = SelfSteppingRunner(context, optimizer, spec.planned_iterations or iterations, stale_norm=stale_norm)
+        data_for = microbatch_data(microbatch_getter(spec, num_micro))
         for iteration in range(iterations):
-            reports, (update_ok, _norm, _) = runner.train_step(iteration)
+            reports, (update_ok, _norm, _) = runner.train_step(iteration, data_for)
             assert update_ok, f"optimizer step {iteration} was skipped"
             losses.append(_dp_mean(reduce_lm_loss(reports)))
             grads_present.append(True)
@@ -256,7 +262,7 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        # as DelayedRun.simulated_delay: the whole batch runs between two steps, so no saved-tensor hooks
+        # as SimulatedDelayRun: the whole batch runs between two steps, so no saved-tensor hooks
         with (stash.use(version(iteration), hooks=False) if stash else contextlib.nullcontext()):
             reduced = forward_backward(
                 forward_step_func=gpt_forward_step,

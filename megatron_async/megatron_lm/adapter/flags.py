@@ -13,13 +13,13 @@ import re
 
 from megatron_async.stash.delay_reference import parse_delays
 from megatron_async.megatron_lm.safety.failures import FlagError  # noqa: F401 - raised here, caught by name elsewhere
-from megatron_async.schedules.registry import delayed_runtime
+from megatron_async.schedules.registry import available_schedules, schedule_or_default
 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("megatron-async")
-    g.add_argument("--pipeline-schedule", default=None, metavar="NAME",
+    g.add_argument("--pipeline-schedule", default=None, metavar="{" + ",".join(available_schedules()) + "}",
                    help="2bw: PipeDream-2BW (no pipeline flush, two weight versions, one-step delay); "
                         "default: Megatron's own schedule")
     g.add_argument("--simulated-delay", type=parse_delays, default=(0,), metavar="K|D0,...,DP-1",
@@ -104,12 +104,13 @@ def _mark_defaults_2bw_replaces(parser: argparse.ArgumentParser) -> None:
 def resolve_defaults(args: argparse.Namespace) -> None:
     """Before Megatron's validate_args: a flag of DEFAULTS_2BW the user did not set (None, as
     _mark_defaults_2bw_replaces parses it) gets Megatron's default, or under 2bw the value 2bw
-    needs, with a one-line notice."""
-    two_bw = delayed_runtime(getattr(args, "pipeline_schedule", None))
-    for dest, flag, megatron_default, value_2bw, why in DEFAULTS_2BW:
+    needs (the rows its spec names, ScheduleSpec.flag_defaults), with a one-line notice."""
+    replaced = schedule_or_default(getattr(args, "pipeline_schedule", None)).default_rows()
+    for row in DEFAULTS_2BW:
+        dest, flag, megatron_default, value_2bw, why = row
         if not hasattr(args, dest) or getattr(args, dest) is not None:
             continue
-        if two_bw:
+        if row in replaced:
             setattr(args, dest, value_2bw)
             if getattr(args, "rank", 0) == 0:
                 print(f"megatron-async: --pipeline-schedule {args.pipeline_schedule} sets {flag} {value_2bw} ({why})",
@@ -213,33 +214,33 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     _check_low_precision(args)
     _check_data(args)
     _check_checkpoints(args)
-    delayed = delayed_runtime(args.pipeline_schedule)
-    if delayed or args.simulated_delay:
+    spec = schedule_or_default(args.pipeline_schedule)
+    if spec.stash_copies or args.simulated_delay:
         _require(not getattr(args, "optimizer_cuda_graph", False),
-                 f"{_schedule_flag(args) if delayed else '--simulated-delay'}: "
+                 f"{_schedule_flag(args) if spec.stash_copies else '--simulated-delay'}: "
                  "--optimizer-cuda-graph replays a captured optimizer step, which skips the weight stash's save "
                  "of the live weights and the delay correction's hooks (Python code a graph replay never runs), "
                  "and its capture synchronises the device between all-rank barriers")
-    _require(args.clip_grad_mode == "stage-local" or delayed,
+    _require(args.clip_grad_mode == "stage-local" or spec.run is not None,  # our runner clips stale-global
              "--clip-grad-mode stale-global needs --pipeline-schedule 2bw")
     if args.pipeline_schedule is None:
         return args
     pp = args.pipeline_model_parallel_size
-    from megatron_async.schedules.registry import available_schedules, get_schedule
-
     names = available_schedules()
     _require(args.pipeline_schedule in names,
              f"--pipeline-schedule {args.pipeline_schedule!r} is not registered; choose one of: {', '.join(names)}")
-    if delayed:
-        _validate_2bw(args)
+    if spec.run is not None:
+        spec.check_flags(args)
     else:
-        _require(get_schedule(args.pipeline_schedule).forward_backward_func is not None,
+        _require(spec.forward_backward_func is not None,
                  f"--pipeline-schedule {args.pipeline_schedule!r} can only be simulated (megatron-async-simulate)")
-        picked = megatron_picks(args)
-        _require(args.pipeline_schedule == picked,
+        from megatron_async.schedules.registry import megatron_schedule
+
+        layout = megatron_layout(args)
+        _require(spec.megatron_layout == layout,
                  f"--pipeline-schedule {args.pipeline_schedule!r}: with --pipeline-model-parallel-size {pp} and "
                  f"{'' if args.virtual_pipeline_model_parallel_size else 'no '}virtual stages Megatron runs "
-                 f"{picked!r}")
+                 f"{megatron_schedule(layout)!r}")
     return args
 
 
@@ -265,7 +266,7 @@ def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
     _require(len(delays) == 1 or len(delays) == stages,
              f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is {stages}")
     if args.simulated_delay:
-        _require(not delayed_runtime(args.pipeline_schedule),
+        _require(schedule_or_default(args.pipeline_schedule).run is None,
                  f"--simulated-delay cannot be combined with {_schedule_flag(args)}, whose delay is real")
         _require(pp == 1, f"--simulated-delay needs --pipeline-model-parallel-size 1 (got {pp}); "
                           "use --pipeline-schedule 2bw with PP > 1")
@@ -283,12 +284,11 @@ def _check_delay_correction(args: argparse.Namespace, delays: tuple) -> None:
     name = args.delay_correction
     if name == "none":
         return
-    runtime = delayed_runtime(args.pipeline_schedule)
-    delayed = runtime or args.simulated_delay > 0
-    _require(delayed, f"--delay-correction {name} needs a delayed gradient: --pipeline-schedule 2bw or "
-                      "--simulated-delay")
+    stashed = schedule_or_default(args.pipeline_schedule).stash_copies  # weight versions behind the live ones
+    _require(stashed or args.simulated_delay > 0, f"--delay-correction {name} needs a delayed gradient: "
+                                                  "--pipeline-schedule 2bw or --simulated-delay")
     if name in ("dc-asgd", "predict"):
-        _require(runtime or set(delays) == {1},
+        _require(stashed == 1 or (not stashed and set(delays) == {1}),
                  f"--delay-correction {name} models a one-step delay (2bw, --simulated-delay 1); "
                  f"got --simulated-delay {','.join(map(str, delays))}")
     if name in ("ef", "dc-asgd", "nesterov"):  # they act on the torch optimizer's .grad and main parameters
@@ -346,14 +346,17 @@ def _check_optimizer(args: argparse.Namespace) -> None:
              f"{', '.join(types)}")
 
 
-def megatron_picks(args: argparse.Namespace) -> str:
-    """The schedule Megatron's get_forward_backward_func chooses for this layout."""
+def megatron_layout(args: argparse.Namespace) -> str:
+    """The layout Megatron's get_forward_backward_func tells apart (ScheduleSpec.megatron_layout)."""
+    from megatron_async.schedules.builtin import NO_PIPELINE, PIPELINE, VIRTUAL_PIPELINE
+
     if args.pipeline_model_parallel_size == 1:
-        return "no-pipelining"
-    return "interleaved-1f1b" if args.virtual_pipeline_model_parallel_size else "1f1b"
+        return NO_PIPELINE
+    return VIRTUAL_PIPELINE if args.virtual_pipeline_model_parallel_size else PIPELINE
 
 
-def _validate_2bw(args: argparse.Namespace) -> None:
+def check_2bw(args: argparse.Namespace) -> None:
+    """What 2bw's runtime refuses (its ScheduleSpec.flag_checks), each naming the flag."""
     from megatron_async.schedules.gen_2bw import min_microbatches_2bw
 
     from megatron_async.schedules.registry import get_schedule
@@ -402,7 +405,8 @@ def _schedule_flag(args: argparse.Namespace) -> str:
 def _check_checkpoints(args: argparse.Namespace) -> None:
     from megatron_async.megatron_lm.safety.resume_checks import check_checkpoints
 
-    check_checkpoints(args, stash=delayed_runtime(args.pipeline_schedule) or args.simulated_delay > 0)
+    check_checkpoints(args, stash=schedule_or_default(args.pipeline_schedule).stash_copies > 0
+                      or args.simulated_delay > 0)
 
 
 def _check_data(args: argparse.Namespace) -> None:

@@ -24,7 +24,6 @@ from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_r
 from megatron_async.patch_table import Patch as Hook
 from megatron_async.patch_table import Scope
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
-from megatron_async.schedules.registry import delayed_runtime
 
 EVERY, DELAYED, CPU = Scope.EVERY_RUN, Scope.DELAYED, Scope.CPU
 _INSTALLED: list = []  # what install() replaced (patch_table.install), for uninstall()
@@ -87,13 +86,9 @@ def _get_forward_backward_func(original):
     def hooked(*args, **kwargs):
         from megatron.training import get_args
 
-        margs = get_args()
-        delayed = plugin_run.delayed(margs)
-        if delayed_runtime(margs.pipeline_schedule):
-            func = delayed.forward_backward
-        else:
-            func = original(*args, **kwargs)
-            func = delayed.simulated_delay(func) if margs.simulated_delay else func
+        delayed = plugin_run.delayed()
+        func = original(*args, **kwargs)
+        func = delayed.forward_backward_func(func) if delayed is not None else func
         return megatron_check_as_ours(func, lambda: get_args().curr_iteration + 1, runtime.pipeline_stage)
 
     return hooked
@@ -105,7 +100,6 @@ def _get_megatron_optimizer(original):
         from megatron.training import get_args
 
         margs = get_args()
-        run = plugin_run.start(margs)
         if margs.layout_invariant_init:
             from megatron_async.megatron_lm.adapter.layout_invariant_init import init_by_global_name, megatron_like
 
@@ -121,11 +115,13 @@ def _get_megatron_optimizer(original):
 
             take_on_every_rank(margs.save)
             check_room(margs.save, model_chunks, margs)
-        if run.delayed is None:
+        # the delayed run built whole around Megatron's optimizer (None: a synchronous run)
+        delayed = plugin_run.build_delayed_run(margs, model_chunks,
+                                               lambda: original(config, model_chunks, *args, **kwargs))
+        plugin_run.start(margs, delayed)
+        if delayed is None:
             return original(config, model_chunks, *args, **kwargs)
-        run.delayed.start_stop_agreement(margs)
-        run.delayed.start_moe_metrics_group(margs)
-        return run.delayed.wrap_optimizer(model_chunks, original(config, model_chunks, *args, **kwargs))
+        return delayed.megatron_optimizer
 
     return hooked
 
@@ -151,11 +147,8 @@ def _stage_local_reduction(original):
 
     @functools.wraps(original)
     def hooked(value, group=None):
-        if runtime.is_two_bw():
-            from megatron.core import parallel_state
-
-            group = parallel_state.get_tensor_model_parallel_group()
-        return original(value, group=group)
+        delayed = plugin_run.delayed()
+        return original(value, group=delayed.reduction_group(group) if delayed is not None else group)
 
     return hooked
 
@@ -167,9 +160,8 @@ def _embedding_grads_all_reduce(original):
 
     @functools.wraps(original)
     def hooked(*args, **kwargs):
-        if runtime.is_two_bw():
-            return None
-        return original(*args, **kwargs)
+        delayed = plugin_run.delayed()
+        return (delayed.embedding_grads_all_reduce(original) if delayed is not None else original)(*args, **kwargs)
 
     return hooked
 
@@ -177,14 +169,15 @@ def _embedding_grads_all_reduce(original):
 def _train(original):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
-        if runtime.is_two_bw():
-            from megatron.training import get_timers
-
-            # the interval timer's barrier (every --log-interval) over this stage only
-            get_timers()("interval-time", log_level=0).set_barrier_group(runtime.stage_group())
         from megatron.training import get_args
 
         run = plugin_run.current()
+        barrier_group = run.delayed.interval_barrier_group() if run is not None and run.delayed is not None else None
+        if barrier_group is not None:
+            from megatron.training import get_timers
+
+            # the interval timer's barrier (every --log-interval) over this stage only
+            get_timers()("interval-time", log_level=0).set_barrier_group(barrier_group)
         if get_args().num_experts and get_args().metrics_json:  # forward hooks on its TopKRouters
             run.routing.attach(kwargs["model"] if "model" in kwargs else args[1])
         delayed = run.delayed if run is not None else None
@@ -528,7 +521,7 @@ def _moe_metrics_sync(original):
     """Under 2bw, the MoE metrics (aux loss, ...) of this stage's layers only: Megatron
     sums them over the pipeline group every logged iteration, a collective across
     stages. Its own argument for the groups (`pg_collection`) gets this rank alone as the
-    pipeline group (made before training, DelayedRun.start_moe_metrics_group); the
+    pipeline group (made before training, two_bw_run.TwoBWRun.build); the
     reductions inside the stage (tensor, expert, data parallel) stay."""
 
     @functools.wraps(original)

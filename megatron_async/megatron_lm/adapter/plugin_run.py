@@ -1,12 +1,13 @@
 """What megatron-async holds for one Megatron training run, and the one way the hooks reach it.
 
 A `PluginRun` is made in the optimizer hook (the first hook that runs once per run, with
-its model and before its optimizer), and carried by Megatron's own `args` object, which
-lives exactly as long as the run. It owns the delayed run's state (runtime.DelayedRun,
-under 2bw or --simulated-delay), the --metrics-json recorder and the MoE routing
-counts. Two runs in one process share nothing of it. What belongs to the process, not a
-run, stays with the process: the hooks installed into Megatron's modules (hooks.py), the
-launcher watch (safety/launcher_watch.py) and the --save locks' file descriptors, which a fork
+its model and its optimizer), and carried by Megatron's own `args` object, which
+lives exactly as long as the run. It owns the delayed run (two_bw_run.TwoBWRun under 2bw,
+simulated_delay_run.SimulatedDelayRun under --simulated-delay, built whole by that hook), the
+--metrics-json recorder and the MoE routing counts. Two runs in one process share
+nothing of it. What belongs to the process, not a run, stays with the process: the
+hooks installed into Megatron's modules (hooks.py), the launcher watch
+(safety/launcher_watch.py) and the --save locks' file descriptors, which a fork
 handler must find (safety/save_lock.py). Megatron pickles `args` into every checkpoint: a
 PluginRun pickles as an empty set, so nothing of it is saved there and `current()` of a
 loaded args object is None.
@@ -20,12 +21,11 @@ RUN_ATTR = "megatron_async_run"
 
 
 class PluginRun:
-    def __init__(self, delayed: bool):
+    def __init__(self, delayed=None):
         from megatron_async.megatron_lm.observability.metrics import MetricsRecorder
         from megatron_async.megatron_lm.observability.moe_routing import RoutingCounts
-        from megatron_async.megatron_lm.adapter.runtime import DelayedRun
 
-        self.delayed = DelayedRun() if delayed else None
+        self.delayed = delayed  # a runtime.DelayedRun (TwoBWRun, SimulatedDelayRun), or None (synchronous)
         self.metrics = MetricsRecorder()
         self.routing = RoutingCounts()
 
@@ -38,13 +38,11 @@ class PluginRun:
         return f"PluginRun(delayed={self.delayed is not None})"
 
 
-def start(args) -> PluginRun:
-    """This run's object, made once (a second call returns the first)."""
-    from megatron_async.megatron_lm.adapter.runtime import is_delayed
-
+def start(args, delayed=None) -> PluginRun:
+    """This run's object with its delayed run, made once (a second call returns the first)."""
     run = current(args)
     if run is None:
-        run = PluginRun(delayed=is_delayed(args))
+        run = PluginRun(delayed)
         setattr(args, RUN_ATTR, run)
     return run
 
@@ -58,6 +56,27 @@ def current(args=None) -> Optional[PluginRun]:
 
 
 def delayed(args=None):
-    """This run's DelayedRun, or None (a synchronous run, or no run yet)."""
+    """This run's delayed run (runtime.DelayedRun), or None (a synchronous run, or no run yet)."""
     run = current(args)
     return run.delayed if run is not None else None
+
+
+def run_class(args):
+    """The class of this run's delayed mode: the one the schedule's spec names (TwoBWRun for
+    2bw), SimulatedDelayRun under --simulated-delay, None for a synchronous run."""
+    from megatron_async.megatron_lm.adapter.simulated_delay_run import SimulatedDelayRun
+    from megatron_async.schedules.registry import schedule_or_default
+
+    spec = schedule_or_default(args.pipeline_schedule)
+    return spec.run_class() or (SimulatedDelayRun if args.simulated_delay else None)
+
+
+def build_delayed_run(args, model_chunks, make_optimizer):
+    """This run's delayed mode, built whole by the optimizer hook around `make_optimizer()`
+    (Megatron's), or None for a synchronous run (then that call is the hook's to make)."""
+    from megatron_async.schedules.registry import schedule_or_default
+
+    cls = run_class(args)
+    if cls is None:
+        return None
+    return cls.build(args, schedule_or_default(args.pipeline_schedule), model_chunks, make_optimizer)

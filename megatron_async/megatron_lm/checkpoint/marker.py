@@ -50,10 +50,9 @@ def contents_to_save(run) -> dict:
 
     from megatron_async.corrections.delay_correction import RULES
     from megatron_async.megatron_lm.checkpoint.side_files import layout
-    from megatron_async.schedules.registry import delayed_runtime
 
     args = get_args()
-    if run.stash is None or args.no_save_optim:
+    if args.no_save_optim:
         return {}
     return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
             "delay_correction_rule": args.delay_correction,
@@ -61,8 +60,7 @@ def contents_to_save(run) -> dict:
             "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
             "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
             # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
-            "embedding_copy_linked": delayed_runtime(args.pipeline_schedule) and (
-                not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)),
+            "embedding_copy_linked": run.embedding_copy_linked,
             "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
 
 

@@ -2,10 +2,10 @@
 
 When Megatron saves after step t, this stage may already have run warm-up forwards of
 batch t+1, drawing dropout masks. The saved RNG state is the one from before that
-batch's first forward (`RngSnapshots.snapshot`, which adapter/runtime.py gives the 2bw
+batch's first forward (`RngSnapshots.snapshot`, which adapter/two_bw_run.py gives the 2bw
 runner as its batch-start callback; the hook on Megatron's `get_rng_state` saves
 `RngSnapshots.for_save`), so a resumed run, which repeats those forwards, draws the
-same masks as the uninterrupted one. The snapshots belong to the run (DelayedRun).
+same masks as the uninterrupted one. The snapshots belong to the run (adapter/two_bw_run.TwoBWRun).
 """
 
 from __future__ import annotations

@@ -85,13 +85,15 @@ def bytes_per_parameter(args) -> int:
 
 
 def stash_copies(args) -> int:
-    """Copies of the weights the stash holds beside the live ones: one under 2bw, K under
-    --simulated-delay K, two with weight prediction; none for a synchronous run."""
-    from megatron_async.schedules.registry import delayed_runtime
+    """Copies of the weights the stash holds beside the live ones: the schedule's
+    (ScheduleSpec.stash_copies: one under 2bw), K under --simulated-delay K, two with weight
+    prediction; none for a synchronous run."""
+    from megatron_async.schedules.registry import schedule_or_default
 
-    if not (delayed_runtime(args.pipeline_schedule) or args.simulated_delay > 0):
+    copies = max(schedule_or_default(args.pipeline_schedule).stash_copies, args.simulated_delay)
+    if not copies:
         return 0
-    return 2 if args.delay_correction == "predict" else max(args.simulated_delay, 1)
+    return 2 if args.delay_correction == "predict" else copies
 
 
 @dataclass

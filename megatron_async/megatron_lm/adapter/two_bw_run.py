@@ -1,0 +1,171 @@
+"""A schedule our pipeline runtime trains (2bw) inside Megatron's training loop: the run
+the optimizer hook builds whole, and the forward-backward function Megatron calls once
+per iteration (megatron_lm/adapter/runtime.py has what both delayed modes share)."""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_async.megatron_lm.adapter.runtime import DelayedRun, pipeline_stage, stage_group
+from megatron_async.megatron_lm.checkpoint.saved_rng import RngSnapshots
+
+ABANDON_WAIT_S = 30.0
+
+
+class TwoBWRun(DelayedRun):
+    """A schedule our pipeline runtime trains (2bw) in Megatron's loop: besides the stash, the
+    stage-local gradient statistics, the stale global norm, the stop agreement, the MoE
+    metrics group, the RNG state a checkpoint saves, and the spec's runner, started at the
+    first forward-backward (the first point where Megatron's loaded iteration and its forward
+    step are known). Its stages run up to a step apart: no collective spans them."""
+
+    @classmethod
+    def build(cls, args, spec, model_chunks, make_optimizer) -> "TwoBWRun":
+        # the run's groups before Megatron's optimizer, where every rank is (every rank takes part)
+        stop, rank_only_group = _stop_agreement(args), _rank_only_group(args)
+        return cls(args, spec, model_chunks, make_optimizer(), stop, rank_only_group)
+
+    def __init__(self, args, spec, model_chunks, optimizer, stop, rank_only_group):
+        from megatron_async.pipeline.grad_stats import make_stage_local
+
+        make_stage_local(optimizer, args.use_distributed_optimizer)
+        super().__init__(args, model_chunks, optimizer, depth=spec.stash_copies)
+        self.spec = spec
+        self.stop = stop
+        self.rank_only_group = rank_only_group
+        self.stale_norm = _stale_norm(args)
+        self.embedding_copy_linked = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
+        self.rng = RngSnapshots()  # the RNG state a checkpoint saves (checkpoint/saved_rng.py)
+        self._runner = None  # the spec's runner, started by the first forward-backward
+
+    @property
+    def runner(self):
+        return self._runner
+
+    @property
+    def step(self) -> int:
+        """The next optimizer step this stage runs (the one a checkpoint saved now resumes at)."""
+        return self._runner.next_step
+
+    def forward_backward_func(self, megatron_forward_backward):
+        return self.forward_backward
+
+    def _start(self, model_chunk, forward_step_func):
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.utils import get_model_config
+        from megatron.training import get_args
+
+        from megatron_async.pipeline.stage_context import stage_context
+
+        args = get_args()
+        config = get_model_config(model_chunk)
+        self.start_from_checkpoint(args)
+        context = stage_context(model_chunk, self.stash, forward_step_func, get_num_microbatches(),
+                                _activation_shape(args, config), config.pipeline_dtype or args.params_dtype)
+        return self.spec.runner_class()(
+            context, args.train_iters, start_batch=args.iteration,
+            finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
+            stale_norm=self.stale_norm, on_batch_start=self.rng.snapshot)
+
+    def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
+                         **_unused):
+        """Megatron's forward-backward signature: one training step of the runner, or an
+        evaluation, on its own process group at the newest weights."""
+        if self._runner is None:
+            self._runner = self._start(_single(model), forward_step_func)
+        data_iterator = _single(data_iterator)
+        if forward_only:
+            return self._runner.evaluate_iterators(itertools.repeat(data_iterator, num_microbatches))
+        reports, _ = self._runner.train_step(self._runner.next_step, lambda _k: data_iterator)
+        return reports
+
+    def reduction_group(self, group):
+        """The stage's tensor-parallel ranks, not TP x PP."""
+        return parallel_state.get_tensor_model_parallel_group()
+
+    def embedding_grads_all_reduce(self, original):
+        """None: a tied model's embedding gradients travel point to point (pipeline/tied_embeddings.py)."""
+        return lambda *args, **kwargs: None
+
+    def interval_barrier_group(self):
+        return stage_group()
+
+    def drain(self) -> None:
+        if self._runner is not None:
+            self._runner.drain()
+
+    def finish(self) -> None:
+        """Run the trailing actions of the 2bw pipeline so no neighbour waits on us (at the
+        end of --train-iters, and at every exit Megatron takes out of train: --exit-interval
+        with or without --save, its other sys.exit paths), and wait out the stop agreement's
+        codes still posted (every rank stops after the same iteration, so all posted the same)."""
+        if self._runner is not None:
+            self._runner.finish()
+        if self.stop is not None:
+            self.stop.settle()
+
+    def abandon(self) -> None:
+        """Training raised: this rank's posted sends were received by now unless a neighbour
+        is gone; wait for them (at most ABANDON_WAIT_S each), say how many were not, and
+        leave the exception to end the job."""
+        if self._runner is None:
+            return
+        lost = self._runner.abandon(ABANDON_WAIT_S)
+        if lost:
+            print(f"megatron-async: stage {pipeline_stage()}: {lost} point-to-point send(s) to a neighbour stage "
+                  "were never received (it stopped too); the job ends without them", flush=True)
+
+
+def _stale_norm(args):
+    """With --clip-grad-mode stale-global: the stale global norm, over a host group of its own."""
+    if args.clip_grad_mode != "stale-global":
+        return None
+    from megatron_async.pipeline.p2p import duplicate_pipeline_group
+    from megatron_async.pipeline.stale_global import StaleGlobalNorm
+
+    return StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
+
+
+def _stop_agreement(args):
+    """With --exit-signal-handler or --exit-duration-in-mins: the group every rank agrees on its
+    stop iteration over (pipeline/stop_agreement.py)."""
+    if not (args.exit_signal_handler or args.exit_duration_in_mins):
+        return None
+    from megatron_async.pipeline.stop_agreement import StopAgreement
+
+    # a host group: its codes are CPU scalars, so it adds no GPU kernel and no device sync to an
+    # iteration, and Megatron's whole-device waits at step ends do not wait for the slowest stage
+    group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())), backend="gloo")
+    agreement = StopAgreement(group, torch.device("cpu"))
+    agreement.take_over(args)
+    return agreement
+
+
+def _rank_only_group(args):
+    """With MoE layers: a group of this rank alone, which Megatron's MoE metrics sync is given
+    as its pipeline group, so its metrics stay inside the stage."""
+    if not args.num_experts:
+        return None
+    group, _ = torch.distributed.new_subgroups(group_size=1)
+    return group
+
+
+def _activation_shape(args, config) -> tuple:
+    """What a stage sends its neighbour, as Megatron's 1F1B computes it (the sequence
+    split over context-parallel ranks, and over tensor-parallel ranks with sequence
+    parallelism)."""
+    from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+
+    (shape,) = get_tensor_shapes(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                 decoder_seq_length=None, config=config,
+                                 tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                 cp_group=parallel_state.get_context_parallel_group())
+    return shape
+
+
+def _single(x):
+    return x[0] if isinstance(x, list) else x
