@@ -111,8 +111,8 @@ class DelayedRun:
             raise CheckpointStateError(
                 f"megatron-async: the checkpoint in {self.resumed.get('loaded_from')} says it holds the 2bw weight "
                 f"stash, but it was not restored (stash at step {stash.newest}, run at iteration {args.iteration}). "
-                "A checkpoint saved with --ckpt-format torch by an older megatron-async lacks it: delete its "
-                "megatron_async.json to resume with both weight versions equal")
+                "A --ckpt-format torch checkpoint whose per-rank files hold no stash cannot give it back: "
+                "delete its megatron_async.json to resume with both weight versions equal")
         loaded = not stash.holds_live()  # a checkpoint load changed the weights after the stash copied them
         stash.start_equal_at(args.iteration)
         if (loaded or self.resumed.get(STASH_KEY)) and torch.distributed.get_rank() == 0:
