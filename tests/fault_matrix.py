@@ -21,10 +21,10 @@ FAULTS = [
      "exit 2 before training, in iterations, naming `--override-opt_param-scheduler` and "
      "`--use-checkpoint-opt_param-scheduler`",
      ["tests/test_checkpoint_guard.py::test_a_longer_run_on_resume_names_the_scheduler_flags"]),
-    ("`kill -9` of torchrun or of one worker, started with `-m megatron_async.launch`, `megatron-async-pretrain` "
-     "or a training script with the patched Megatron",
-     "every process the job started (workers, the checkpoint writer's Manager, resource trackers) is gone "
-     "within 10 s",
+    ("`kill -9` of torchrun, started with `-m megatron_async.launch` or a training script with the patched "
+     "Megatron (`megatron-async-pretrain` takes the launcher's watch and the package's)",
+     "every process the job started (workers, the checkpoint writer's Managers, resource trackers) is gone "
+     "within 10 s; a worker killed outright leaves its Manager to the same parent watch",
      ["tests/test_long_runs.py::test_no_process_outlives_a_killed_job"]),
     ("a second job on the `--save` of a live job",
      "refused before training on every rank, naming the first job (host, pid, start time); after `kill -9` of "

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 import time
 
 import pytest
@@ -74,15 +73,13 @@ def _command(pid):
         return ""
 
 
-# The console script runs the worker's main module from its bin/ file, not from
-# megatron_async.launch: the spawned Manager's watch must come from the package itself.
-# "patched script" stands for `python pretrain_gpt.py` in a Megatron-LM checkout with
+# A spawned Manager re-imports the worker's main module, which under the patched script (as
+# under the `megatron-async-pretrain` console script, launch.main from a bin/ file) is not
+# megatron_async.launch: its watch must come from the package itself. "patched script" stands for `python pretrain_gpt.py` in a Megatron-LM checkout with
 # patches/ applied: a training script at the checkout's root that never calls
 # megatron_async.launch (the patched megatron.training installs the hooks); on a
 # machine without CUDA it first sets up the CPU emulation and flags, as launch would.
-ENTRIES = {"module": ["-m", "megatron_async.launch"],
-           "console script": [str(Path(sys.executable).parent / "megatron-async-pretrain")],
-           "patched script": None}
+ENTRIES = {"module": ["-m", "megatron_async.launch"], "patched script": None}
 _PATCHED_SCRIPT = """
 import sys
 
@@ -115,9 +112,8 @@ def _entry(name, tmp_path):
 
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
 def test_no_process_outlives_a_killed_job(tmp_path, entry):
-    """SIGKILL of torchrun after a checkpoint save, for `-m megatron_async.launch`, the
-    `megatron-async-pretrain` console script and a training script with the patched
-    Megatron (ENTRIES): every process the job started (workers, the checkpoint writer's
+    """SIGKILL of torchrun after a checkpoint save, for `-m megatron_async.launch` and a
+    training script with the patched Megatron (ENTRIES): every process the job started (workers, the checkpoint writer's
     Managers, resource trackers, data-loader workers) is gone within 10 s. Both of the
     plugin's watches must act, and the test fails without either (checked): the workers
     have no launcher left to stop them (the launcher watch), and the Managers of
@@ -128,7 +124,7 @@ def test_no_process_outlives_a_killed_job(tmp_path, entry):
     args = with_mock_data_cache(MEGATRON_LOOP + ["--metrics-json", progress, "--save", tmp_path / "ckpt",
                                                  "--save-interval", "2"])
     if entry != "module":
-        args = args[1:]  # the console script is `launch --gpt`; the script is a GPT script
+        args = args[1:]  # the script is a GPT script
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            *_entry(entry, tmp_path), *map(str, args)]
     launcher = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
