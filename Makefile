@@ -7,6 +7,11 @@ PYTHON312 ?= $(shell \
 	if python3.12 -c '' >/dev/null 2>&1; then command -v python3.12; \
 	else ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -n 1; fi)
 PYTEST_ARGS ?=
+# Python writes each module's bytecode the first time it is imported: a setup that compiled
+# all 18,000 files of the venv would write far more than the suite reads (pip installs with
+# --no-compile), and an environment with PYTHONDONTWRITEBYTECODE set would compile torch and
+# Megatron again in every process the suite starts (7 s against 21 s of CPU an import).
+unexport PYTHONDONTWRITEBYTECODE
 # Two pytest workers (CI has 2 cores); a module's tests stay on one worker, so its
 # module-scoped fixtures run once. PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
@@ -25,12 +30,6 @@ $(STAMP): setup.py constraints.txt
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,export]'
-	@# pip byte-compiles on one core; compileall writes the .pyc files on every core, leaving out what
-	@# nothing imports: the packages' own test folders and the transformers models other than the
-	@# exported two (a third of the files; 51 s instead of 95 s here, where writing them is the cost)
-	$(PY) -m compileall -q -j 0 -x '/tests?/|/transformers/models/(?!(auto|gpt2|llama)/)[a-z0-9_]+/' \
-		$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
-		> $(VENV)/compileall.log 2>&1 || { echo "error: byte-compiling $(VENV) failed: $(VENV)/compileall.log"; exit 1; }
 	@touch $(STAMP)
 
 # The quick tests run first and stop at the first failure, so a broken install shows in
