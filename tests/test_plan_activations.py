@@ -10,8 +10,6 @@ by exactly that. The backward's working set and the global buffer
 a GPU's allocator trace (bench/gpu/moe_stage_memory.py --breakdown-step; docs/benchmarks.md)."""
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -34,9 +32,10 @@ ELEMENTS = 1 * 4 * 256 * 256  # one layer's scores: b x heads x s x s of FLAGS
 
 @pytest.fixture(scope="module")
 def rows():
-    proc = subprocess.run([sys.executable, "-m", "tests.support.saved_activations", "--", *FLAGS],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from tests.support.warm_launch import warm_python
+
+    proc = warm_python("tests.support.saved_activations", ["--", *FLAGS], 240)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     return {(r["variant"], r["layers"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
 
 

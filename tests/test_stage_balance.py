@@ -118,8 +118,7 @@ DELAYS = {"delay0": ([], 0), "delay1": (["--simulated-delay", "1"], 1), "delay2"
 def plans(tmp_path_factory):
     """The plans these tests read, made in one planner process (tests/support/plans.py)."""
     import json
-    import subprocess
-    import sys
+    from tests.support.warm_launch import warm_python
 
     out = tmp_path_factory.mktemp("plans")
     jobs = {"counts": (4, SPLIT_ARGS + megatron_flags((3, 3, 3, 2))),
@@ -127,9 +126,8 @@ def plans(tmp_path_factory):
             **{name: (1, DELAY_ARGS + flags) for name, (flags, _) in DELAYS.items()}}
     (out / "jobs.json").write_text(json.dumps([{"world": world, "json": str(out / f"{name}.json"), "argv": argv}
                                                for name, (world, argv) in jobs.items()]))
-    proc = subprocess.run([sys.executable, "-m", "tests.support.plans", str(out / "jobs.json")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = warm_python("tests.support.plans", [str(out / "jobs.json")], 300)
+    assert proc.returncode in (0, 1), proc.stdout[-6000:]
     return {name: json.loads((out / f"{name}.json").read_text())["stages"] for name in jobs}
 
 
