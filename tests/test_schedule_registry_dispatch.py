@@ -16,8 +16,6 @@ planner, the save-space check and the simulator read the spec, not the name "2bw
 import argparse
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,39 +26,15 @@ BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "409
         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "10",
         "--lr", "1e-3", "--pipeline-model-parallel-size", "2"]
 
-SCRIPT = """
-import contextlib, io, json, os, sys, tempfile
-from megatron_async.check_flags import check, prepare
-from megatron_async.planning import plan
-from megatron_async.schedules.builtin import TWO_BW_RUNTIME
-from megatron_async.schedules.registry import get_runtime, get_schedule, register_schedule
-prepare()
-base = json.loads(sys.argv[1])
-found = {}
-for name, asynchronous in (("throwaway-async", True), ("throwaway-sync", False)):
-    runtime = TWO_BW_RUNTIME if asynchronous else {"runtime": TWO_BW_RUNTIME["runtime"]}
-    register_schedule(name, description="a test's schedule", generator="megatron_async.schedules.generators:two_bw",
-                      requires_pipeline=True, asynchronous=asynchronous, **runtime)
-    argv = base + ["--pipeline-schedule", name]
-    found[name] = {"plain": check(argv, 2, cpu_flags=True), "refused_flag": check(argv + ["--log-params-norm"], 2,
-                   cpu_flags=True), "delayed": get_schedule(name).run_class() is not None,
-                   "runtime": get_runtime(name).__name__}
-for name in ("throwaway-async", "1f1b"):
-    path = os.path.join(tempfile.mkdtemp(), "plan.json")
-    with contextlib.redirect_stdout(io.StringIO()):
-        plan.main(["--world-size", "2", "--json", path, "--", *base, "--pipeline-schedule", name])
-    stages = json.load(open(path))["stages"]
-    found.setdefault(name, {})["plan"] = [{"stash": s["memory_gb"]["stash"], "p2p": s["p2p"] is not None}
-                                          for s in stages]
-print("RESULT " + json.dumps(found))
-"""
 
 
 def test_a_registered_asynchronous_schedule_gets_2bw_checks_and_runtime():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(BASE)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    from tests.support.warm_launch import warm_python
+
+    # one warm process (forked with Megatron imported): the registration and the CPU emulation stay in it
+    proc = warm_python("tests.support.registered_schedule_probe", [json.dumps(BASE)], 300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and line, proc.stdout[-6000:]
     found = json.loads(line[len("RESULT "):])
     new = found["throwaway-async"]
     assert new["delayed"] and new["runtime"] == "TwoBWRunner"
