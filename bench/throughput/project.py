@@ -42,6 +42,7 @@ prints the overlaps' table instead (each schedule at its faster split).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -231,12 +232,19 @@ def balanced_counts(layers: int, pp: int, layer: float, first_extra: float, last
     return list(best_split([layer] * layers, pp, first_extra, last_extra).layers)
 
 
+@functools.lru_cache(maxsize=None)
+def _action_lists(schedule: str, pp: int, m: int):
+    """A schedule's action lists, generated once per shape: a projection simulates each shape
+    under several models and layouts, and the simulator only reads them."""
+    return generate(schedule, pp, m, SIM_BATCHES)
+
+
 def simulate_config(schedule: str, pp: int, m: int, costs: StageCosts, chunks: int = 2) -> float:
     """Seconds per microbatch (steady state) of `schedule` under `costs`."""
     f, b = costs.fwd, costs.bwd
     if schedule == "interleaved-1f1b":  # each piece holds half a stage
         f, b = [x / chunks for x in f], [x / chunks for x in b]
-    result = simulate(generate(schedule, pp, m, SIM_BATCHES), fwd=f, bwd=b, opt=costs.opt, p2p=costs.p2p,
+    result = simulate(_action_lists(schedule, pp, m), fwd=f, bwd=b, opt=costs.opt, p2p=costs.p2p,
                       sync_at_step=schedule != "2bw", sync_cost=costs.sync)
     return 1.0 / result.throughput
 
