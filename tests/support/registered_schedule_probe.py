@@ -24,8 +24,8 @@ def main(argv: list) -> None:
         runtime = TWO_BW_RUNTIME if asynchronous else {"runtime": TWO_BW_RUNTIME["runtime"]}
         register_schedule(name, description="a test's schedule", generator="megatron_async.schedules.generators:two_bw",
                           requires_pipeline=True, asynchronous=asynchronous, **runtime)
-        argv = base + ["--pipeline-schedule", name]
-        found[name] = {"plain": check(argv, 2, cpu_flags=True), "refused_flag": check(argv + ["--log-params-norm"], 2,
+        flags = base + ["--pipeline-schedule", name]
+        found[name] = {"plain": check(flags, 2, cpu_flags=True), "refused_flag": check(flags + ["--log-params-norm"], 2,
                        cpu_flags=True), "delayed": get_schedule(name).run_class() is not None,
                        "runtime": get_runtime(name).__name__}
     for name in ("throwaway-async", "1f1b"):
