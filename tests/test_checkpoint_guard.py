@@ -262,6 +262,76 @@ def test_the_opt_out_takes_no_checksums_and_a_checkpoint_without_them_loads_sayi
     assert len(said) == 1 and str(ckpt / "iter_0000012") in said[0], proc.stdout[-4000:]
 
 
+def test_a_flipped_metadata_is_one_line_before_megatrons_argument_dump(tmp_path, tied_checkpoint, monkeypatch):
+    """16 bytes of `.metadata` XOR-ed: every rank reads it in Megatron's argument validation
+    (the tie check), where torch.distributed.checkpoint logs a traceback for each failed read.
+    Refused there, in one line naming the file, with no traceback and no argument dump."""
+    import shutil
+
+    import test_megatron_loop as loop
+
+    monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tied_checkpoint, ckpt)
+    metadata = ckpt / "iter_0000008" / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0x01 for b in data[len(data) // 2:len(data) // 2 + 16])
+    metadata.write_bytes(bytes(data))
+    proc, _ = _run(tmp_path, "flipped_metadata", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12",
+                                                                  "--override-opt_param-scheduler"])
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    errors = {x for x in proc.stdout.splitlines() if x.startswith("megatron-async: error:")}
+    assert len(errors) == 1, errors
+    assert f"damaged: {metadata} (its xxh3_64 checksum differs" in errors.pop()
+    assert "Traceback" not in proc.stdout and "-- arguments --" not in proc.stdout, proc.stdout[-4000:]
+
+
+def _edit_marker(directory, **changes):
+    """Change fields of a checkpoint's megatron_async.json (None removes one), as a hand edit would."""
+    import json
+
+    marker = _marker(directory)
+    for key, value in changes.items():
+        if value is None:
+            marker.pop(key)
+        else:
+            marker[key] = value
+    (directory / "megatron_async.json").write_text(json.dumps(marker))
+
+
+def test_an_edited_marker_is_refused_and_so_is_a_stash_it_denies(tmp_path, tied_checkpoint):
+    """megatron_async.json edited to `"weight_stash": false` would resume with both weight
+    versions equal while the stash is there: refused in argument validation, naming the file
+    and --no-checkpoint-checksums. Under that opt-out, and for a marker without its own
+    checksum, the stash its files hold and the marker denies is refused too, naming
+    --no-load-optim. Control: the intact checkpoint passes."""
+    import shutil
+
+    import test_megatron_loop as loop
+
+    model = [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"]
+    resume = [*model, *loop.TRAIN, *TORCH_DIST, "--train-iters", "12", "--override-opt_param-scheduler"]
+    copies = {}
+    for name in ("intact", "edited", "unsealed"):
+        copies[name] = tmp_path / name
+        shutil.copytree(tied_checkpoint, copies[name])
+    _edit_marker(copies["edited"] / "iter_0000008", weight_stash=False)
+    _edit_marker(copies["unsealed"] / "iter_0000008", weight_stash=False, marker_checksum=None)
+    cases = {"intact": resume + ["--load", str(copies["intact"])],
+             "edited": resume + ["--load", str(copies["edited"])],
+             "edited, opted out": resume + ["--load", str(copies["edited"]), "--no-checkpoint-checksums"],
+             "unsealed": resume + ["--load", str(copies["unsealed"])]}
+    found = check_in_one_process({k: {"world": 2, "argv": a} for k, a in cases.items()}, tmp_path)
+    assert not found["intact"]["refused"], found["intact"]["error"]
+    edited = found["edited"]["error"]
+    assert str(copies["edited"] / "iter_0000008" / "megatron_async.json") in edited, edited
+    assert "checksum it holds of its own content" in edited and "--no-checkpoint-checksums" in edited, edited
+    for name in ("edited, opted out", "unsealed"):
+        error = found[name]["error"]
+        assert found[name]["refused"] and "holds a 2bw weight stash but its megatron_async.json says it holds none" \
+            in error and "--no-load-optim" in error, (name, error)
+
+
 def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4",

@@ -56,6 +56,13 @@ def written_by(directory: str, rank: int) -> list[str]:
     return sorted(found)
 
 
+def shared_files(recorded: dict) -> dict:
+    """The recorded files that are no rank's `.distcp` (rank 0 wrote them: `.metadata`, the common
+    state): every rank reads them, in Megatron's argument validation already."""
+    return {**recorded, "files": {relative: entry for relative, entry in recorded.get("files", {}).items()
+                                  if _WRITER.search(relative) is None}}
+
+
 def this_ranks_checksums(directory: str) -> tuple[dict, float]:
     """{relative path: {"rank", "bytes", ALGORITHM}} of the files this rank wrote, and the seconds it took."""
     rank = torch.distributed.get_rank()

@@ -3,11 +3,12 @@
 After Megatron saves, rank 0 writes the marker into the checkpoint directory naming
 what it holds (`contents_to_save`): the weight stash, the delay-correction state, the
 stale global norm, where the per-rank state lives (the optimizer's sharded state dict
-under torch_dist, per-rank files otherwise) and the layout it was saved at. On load a
-state the checkpoint lacks (a 1F1B checkpoint has no stash) is not asked for: the
-older weight version then starts equal to the newest, and EF starts without a
-previous update. Also here: the checkpoint `--load` resumes, and what Megatron saved
-with it (its arguments, whether it holds a stash), read from its files alone.
+under torch_dist, per-rank files otherwise) and the layout it was saved at, sealed
+with the checksum of its own content (marker_checksum.py). On load a state the
+checkpoint lacks (a 1F1B checkpoint has no stash) is not asked for: the older weight
+version then starts equal to the newest, and EF starts without a previous update.
+Also here: the checkpoint `--load` resumes, and what Megatron saved with it (its
+arguments, whether it holds a stash), read from its files alone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 
 import torch
 
+from megatron_async.megatron_lm.checkpoint.marker_checksum import sealed
 from megatron_async.megatron_lm.checkpoint.optimizer_state import STALE_NORM_KEY, STASH_KEY
 
 MARKER = "megatron_async.json"
@@ -29,7 +31,8 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 def write_marker(root: str, iteration: int, contents: dict, create: bool = False) -> None:
-    """Rank 0 writes what the checkpoint holds of ours (atomically)."""
+    """Rank 0 writes what the checkpoint holds of ours (atomically), sealed with the
+    checksum of its own content (checkpoint/marker_checksum.py)."""
     if torch.distributed.get_rank() != 0:
         return
     path = os.path.join(checkpoint_dir(root, iteration), MARKER)
@@ -37,7 +40,7 @@ def write_marker(root: str, iteration: int, contents: dict, create: bool = False
         os.makedirs(os.path.dirname(path), exist_ok=True)
     if os.path.isdir(os.path.dirname(path)):
         with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(contents, f)
+            json.dump(sealed(contents), f)
         os.replace(path + ".tmp", path)
 
 

@@ -5,17 +5,34 @@ checksums its marker recorded at save (checkpoint/checksums.py): a file whose by
 differ, or that is missing, is named with the previous complete checkpoint, in one line on
 every rank (exit 2). A checkpoint whose marker records no checksums (saved with
 --no-checkpoint-checksums, in --ckpt-format torch, or by a megatron-async without checksums)
-loads, and rank 0 says so once.
+loads, and rank 0 says so once. The files every rank reads in Megatron's argument validation
+already (`.metadata`, the common state: rank 0's) are checked there first, by each rank alone
+(`verify_shared_files`): torch.distributed.checkpoint logs a traceback for each failed read of
+a damaged `.metadata`, and the refusal then comes before Megatron's argument dump.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_async.megatron_lm.checkpoint.checksums import KEY, agreed_problems
+from megatron_async.megatron_lm.checkpoint.checksums import KEY, agreed_problems, problems, shared_files
 from megatron_async.megatron_lm.checkpoint.marker import saved_contents
 from megatron_async.megatron_lm.checkpoint.side_files import CheckpointStateError
 from megatron_async.megatron_lm.safety.checkpoint_guard import complete_iterations, damaged_files, tracked_iteration
+from megatron_async.megatron_lm.safety.failures import FlagError
+
+
+def verify_shared_files(args, contents: dict) -> None:
+    """In argument validation, on each rank alone (no process group yet): refuse (FlagError) a
+    `--load` checkpoint whose files that every rank reads there differ from their checksums.
+    `contents`: what its marker holds (marker.saved_contents)."""
+    recorded = contents.get(KEY)
+    if not recorded or getattr(args, "no_checkpoint_checksums", False):
+        return
+    directory = contents["loaded_from"]
+    found = problems(directory, shared_files(recorded), rank=0, world_size=1)
+    if found:
+        raise FlagError(_refusal(args, directory, found))
 
 
 def verify_before_load(args) -> None:

@@ -1,10 +1,12 @@
 """What `--load` and `--save` hold, checked before Megatron builds anything.
 
 No silent fresh start over checkpoints, a writable `--save`, a checkpoint format that
-carries 2bw's state, and at a resume: the marker that says how to read a checkpoint, the
-same tied or untied embeddings, the same weight-stash depth, a delay correction that can
-use the saved state, and a layout the per-rank state was saved at. These read the disk,
-so they live here, beside the other guards; the flag module only parses and calls them.
+carries 2bw's state, and at a resume: the marker that says how to read a checkpoint,
+unchanged since the save, the files every rank reads before the load unchanged too,
+the same tied or untied embeddings, the same weight-stash depth, a delay correction
+that can use the saved state, and a layout the per-rank state was saved at. These read
+the disk, so they live here, beside the other guards; the flag module only parses and
+calls them.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import re
 
 from megatron_async.megatron_lm.checkpoint.marker import (MARKER, holds_a_stash, resume_directory,
                                                           saved_contents, saved_megatron_args)
+from megatron_async.megatron_lm.checkpoint.marker_checksum import seal_matches
 from megatron_async.megatron_lm.safety.checkpoint_guard import (complete_iterations, fresh_start_notice,
                                                                 resume_problem, unwritable_save)
+from megatron_async.megatron_lm.safety.checksum_guard import verify_shared_files
 from megatron_async.megatron_lm.safety.failures import FlagError
 
 
@@ -61,9 +65,11 @@ def check_checkpoints(args: argparse.Namespace, stash: bool) -> None:
                                 getattr(args, "pretrained_checkpoint", None))
     if notice and not getattr(args, "exit_on_missing_checkpoint", False) and int(os.environ.get("RANK", "0")) == 0:
         print(notice, flush=True)
+    held = saved_contents(args)
+    _check_marker_intact(args, held)
+    verify_shared_files(args, held)  # before anything below reads the checkpoint's .metadata
     _check_tied_embeddings_match(args)
     _say_when_nothing_will_train(args)
-    held = saved_contents(args)
     _check_marker_present(args, held)
     if not held.get("weight_stash"):
         return
@@ -121,19 +127,35 @@ def _say_when_nothing_will_train(args: argparse.Namespace) -> None:
               "--train-iters to go on", flush=True)
 
 
+def _check_marker_intact(args: argparse.Namespace, held: dict) -> None:
+    """A megatron_async.json whose content no longer matches the checksum it holds of itself
+    (edited or damaged after the save) would resume the checkpoint as it now says, without a
+    word: refused, naming the file and the opt-out."""
+    if not held or getattr(args, "no_checkpoint_checksums", False) or seal_matches(held) is not False:
+        return
+    path = os.path.join(held["loaded_from"], MARKER)
+    _require(False, f"--load {args.load}: {path} does not match the checksum it holds of its own content (it "
+                    "changed after the save); it says how the checkpoint resumes (its weight stash, delay-correction "
+                    "state, layout and file checksums): restore it from a copy of the checkpoint, or pass "
+                    "--no-checkpoint-checksums to resume as it says now")
+
+
 def _check_marker_present(args: argparse.Namespace, held: dict) -> None:
     """A checkpoint whose files hold a 2bw weight stash but whose megatron_async.json (what
-    says how to read it) is gone would resume with both weight versions equal, silently
-    another trajectory: refused, naming the file and the previous complete checkpoint."""
+    says how to read it) is gone, or says it holds none, would resume with both weight
+    versions equal, silently another trajectory: refused, naming the file and the previous
+    complete checkpoint."""
     directory = resume_directory(args)
-    if held or directory is None or args.finetune or args.no_load_optim or not holds_a_stash(directory):
+    if (held.get("weight_stash") or directory is None or args.finetune or args.no_load_optim
+            or not holds_a_stash(directory)):
         return
     name = os.path.basename(os.path.normpath(directory))
     older = [i for i in complete_iterations(args.load) if f"iter_{i:07d}" < name]
     previous = f"; the previous complete checkpoint is iteration {older[-1]} (--ckpt-step {older[-1]})" if older else ""
-    _require(False, f"--load {args.load}: the checkpoint in {directory} holds a 2bw weight stash but not its "
-                    f"{MARKER}, which says how to read it (lost, or the checkpoint was copied without it), so the "
-                    f"run would resume with both weight versions equal: restore the file{previous}, or pass "
+    lacks = (f"its {MARKER} says it holds none" if held
+             else f"not its {MARKER}, which says how to read it (lost, or the checkpoint was copied without it)")
+    _require(False, f"--load {args.load}: the checkpoint in {directory} holds a 2bw weight stash but {lacks}, so "
+                    f"the run would resume with both weight versions equal: restore the file{previous}, or pass "
                     "--no-load-optim to start both versions from the loaded weights on purpose")
 
 
