@@ -9,7 +9,11 @@ stash), or the resume is refused.
   copied without it) is refused before training, naming the file and the previous
   complete checkpoint; the refusal's way out, --no-load-optim, trains (the negative
   control: the check refuses only that case).
+
+The resumed run's first --metrics-json record has its seconds too.
 """
+
+import json
 
 from test_checkpoint_guard import TORCH_DIST
 from test_megatron_loop import CPU, MODEL, TRAIN, _logged_losses, _run
@@ -32,6 +36,8 @@ def test_a_job_lost_right_after_megatrons_save_leaves_the_marker(tmp_path):
                                                                "--override-opt_param-scheduler"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "holds no weight stash" not in proc.stdout and len(_logged_losses(metrics)) == 4
+    first = json.loads(metrics.read_text().splitlines()[0])  # timed from the start of Megatron's train
+    assert first["iteration"] == 9 and isinstance(first["s_per_iter"], float) and first["s_per_iter"] > 0, first
 
 
 def test_a_tracked_checkpoint_without_its_marker_is_refused(tmp_path):

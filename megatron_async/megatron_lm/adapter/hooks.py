@@ -181,6 +181,8 @@ def _train(original):
         if get_args().num_experts and get_args().metrics_json:  # forward hooks on its TopKRouters
             run.routing.attach(kwargs["model"] if "model" in kwargs else args[1])
         delayed = run.delayed if run is not None else None
+        if run is not None:
+            run.metrics.start_clock()  # the first iteration's s_per_iter counts from here
         try:
             result = original(*args, **kwargs)
         except SystemExit:  # Megatron's exits inside train (--exit-interval, ...): drain and finish first

@@ -34,6 +34,7 @@ class MetricsRecorder:
 
     def __init__(self):
         self.file = None
+        self.started = None  # when Megatron's train started (a resumed run's too)
         self.last = None  # when the previous iteration was logged
         self.signature = None  # Megatron's training_log's, bound once
         self.eval = None  # (key, iteration) of the next evaluation
@@ -70,14 +71,20 @@ class MetricsRecorder:
             extra = {"pending_sends": runner.pending_sends} if runner is not None else {}
             self.rank_stats.flush(iteration, **extra)
 
+    def start_clock(self) -> None:
+        """Megatron's train starts: the first iteration's seconds, a resumed run's included, count from here."""
+        self.started = time.perf_counter()
+
     def record_iteration(self, training_log, args, kwargs, runner=None) -> None:
         if self.signature is None:
             self.signature = inspect.signature(training_log)
         bound = self.signature.bind(*args, **kwargs).arguments
         now = time.perf_counter()
-        seconds = now - self.last if self.last is not None else None
+        since = self.last if self.last is not None else self.started
+        seconds = now - since if since is not None else None
+        # the ranks' steady pace leaves out the first iteration, whose seconds hold its warm-up
+        self._rank_stats(bound["iteration"], now - self.last if self.last is not None else None, runner)
         self.last = now
-        self._rank_stats(bound["iteration"], seconds, runner)
         out = self._writer()
         if out is None:
             return
