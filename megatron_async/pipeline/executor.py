@@ -140,7 +140,8 @@ class StageExecutor:
         # DDP reduces gradients only after the batch's last backward.
         sync = contextlib.nullcontext() if last_of_batch else self.model.no_sync()
         fused_wgrad.give_dummy_grads(self._fused.pop(k, ()))
-        with sync, self.stash.use(action.version, hooks=False):
+        self.stash.point_to(action.version)
+        with sync:
             input_grad = schedules.backward_step(input_tensor, output, grad, self.config)
         if not self.is_first:
             self._outgoing[("grad", k)] = input_grad

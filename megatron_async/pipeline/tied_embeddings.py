@@ -205,9 +205,7 @@ def link_for(model, stash, group) -> Optional[TiedEmbeddings]:
     stage = parallel_state.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     first = stage == 0
-    from megatron_async.stash.param_gather import gather_now
-
     link = TiedEmbeddings(weight, stash.live_storage(weight), group, ranks[-1] if first else ranks[0], first,
-                          whole=lambda: gather_now(model, [weight]))
+                          whole=lambda: stash.gather_update([weight]))
     link.connect()
     return link

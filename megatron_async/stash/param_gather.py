@@ -15,9 +15,10 @@ tied-embedding link reads or overwrites one weight earlier: the first stage send
 its new weights right after the step, and the last stage installs the received ones
 where a later gather of its own update would overwrite them; `gather_now` gathers
 that weight's bucket first. Megatron marks a bucket as not dispatched when its
-gradients are reduced, so "not dispatched" does not mean "not whole": only a
-caller that knows the step came since gathers anew. The gathers run over each
-bucket's data-parallel group only.
+gradients are reduced, so "not dispatched" does not mean "not whole": only the stash,
+which knows whether a forward ran since the step, decides to gather anew
+(WeightStashManager.gather_update). The gathers run over each bucket's
+data-parallel group only.
 
 Megatron's layer-wise optimizer (`--optimizer muon --use-distributed-optimizer`, whose
 DDP runs without the distributed optimizer's buffer layout) gathers into a separate
@@ -26,7 +27,10 @@ forward at the stashed version that is the stash's slot, which the copy would
 overwrite with W(t+1) while the live weights stay partial. For that path
 (`copies_through_params`) the stash gathers everything, with the parameters pointed at
 the live weights, before its first forward at another version after a step: correct,
-without that optimizer's overlap.
+without that optimizer's overlap. Its gather also receives into the gradient buffer and
+zeroes it when it lands, so none may run while that buffer holds gradients (from a
+batch's first backward to its step) nor stay in flight across the step's zeroing of it:
+a targeted gather starts no next bucket's.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ from __future__ import annotations
 def _overlapped(chunk) -> bool:
     config = getattr(chunk, "ddp_config", None)
     return bool(config is not None and config.overlap_param_gather)
+
+
+def overlapped(model_chunks) -> bool:
+    """Whether a step leaves the gather of its update to the next forwards."""
+    return any(_overlapped(c) for c in model_chunks)
 
 
 def _groups(chunk) -> list:
@@ -54,16 +63,18 @@ def finish_param_gathers(model_chunks) -> int:
     return finished
 
 
-def gather_now(chunk, params) -> None:
+def gather_now(model_chunks, params, dispatch_next: bool = True) -> None:
     """After a step: gather the buckets holding `params` now (unless a forward's pre-hook
-    already did), and let each start the next bucket's gather, as a pre-hook would."""
-    if not _overlapped(chunk):
-        return
-    groups = {id(chunk.param_to_bucket_group[p]): chunk.param_to_bucket_group[p]
-              for p in params if p in chunk.param_to_bucket_group}
-    for group in groups.values():
-        if group.param_gather_handle is not None or not group.param_gather_dispatched:
-            group.finish_param_sync()
+    already did), each starting the next bucket's gather as a pre-hook would where
+    `dispatch_next`."""
+    for chunk in model_chunks:
+        if not _overlapped(chunk):
+            continue
+        groups = {id(chunk.param_to_bucket_group[p]): chunk.param_to_bucket_group[p]
+                  for p in params if p in chunk.param_to_bucket_group}
+        for group in groups.values():
+            if group.param_gather_handle is not None or not group.param_gather_dispatched:
+                group.finish_param_sync(skip_next_bucket_dispatch=not dispatch_next)
 
 
 def copies_through_params(model_chunks) -> bool:

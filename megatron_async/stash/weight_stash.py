@@ -76,6 +76,8 @@ class WeightStashManager:
         self.chunks = list(model_chunks)  # DDP's chunks: their buffers hold the live weights
         self._copying_gather = param_gather.copies_through_params(self.chunks)
         self._gather_due = False  # a step came, and that gather has not run since (param_gather.py)
+        self._overlapped = param_gather.overlapped(self.chunks)
+        self._update_scattered = False  # a step came, and no forward has gathered its update since
         for chunk in self.chunks:
             for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
                 self._add_buffer(buffer)
@@ -145,12 +147,14 @@ class WeightStashManager:
 
     @contextlib.contextmanager
     def use(self, version: Version, hooks: bool = True) -> Iterator[None]:
-        """Run a forward at `version` (see `point_to`); its backward will see the same weights.
+        """Run a forward at `version` (see `point_to`); its backward will see the same weights
+        (a backward only needs `point_to`).
 
         `hooks=False` only points the parameters: right where no optimizer step falls
         between this forward and its backward (which must then run at the same version).
         """
         self.point_to(version)
+        self._update_scattered = False  # the forward's pre-hooks gather every bucket it reads
         if not hooks:
             yield
             return
@@ -232,6 +236,18 @@ class WeightStashManager:
             param.data = data
         self._pointed = None if self.predict is not None else self.newest
 
+    def gather_update(self, params) -> None:
+        """Before the tied link sends or overwrites the live `params`: gather the last step's
+        update of them (`--overlap-param-gather`) where no forward has since. Once a forward ran,
+        its pre-hooks gathered every bucket, and gathering again is wrong, not only slow: the
+        layer-wise optimizer gathers through the gradient buffer and zeroes it, and before a step
+        that buffer holds the step's reduced gradients."""
+        if not self._update_scattered:
+            return
+        if self._copying_gather:  # its gather copies into param.data: the live weights
+            self._point_live()
+        param_gather.gather_now(self.chunks, params, dispatch_next=not self._copying_gather)
+
     def finish_param_gathers(self) -> int:
         """Make the live weights whole: wait for the overlapped all-gathers of the last step's
         update (`--overlap-param-gather`, stash/param_gather.py), before anything reads them."""
@@ -246,6 +262,7 @@ class WeightStashManager:
         self._point_live()
         yield
         self._gather_due = self._copying_gather
+        self._update_scattered = self._overlapped
         self.newest += 1
         if self.predict is not None:
             with torch.no_grad():
