@@ -10,7 +10,8 @@ stash), or the resume is refused.
   complete checkpoint; the refusal's way out, --no-load-optim, trains (the negative
   control: the check refuses only that case).
 
-The resumed run's first --metrics-json record has its seconds too.
+The resumed run's first --metrics-json record has its seconds too, and one line ahead of
+Megatron's first log line says its grad norm is the last stage's own.
 """
 
 import json
@@ -38,6 +39,11 @@ def test_a_job_lost_right_after_megatrons_save_leaves_the_marker(tmp_path):
     assert "holds no weight stash" not in proc.stdout and len(_logged_losses(metrics)) == 4
     first = json.loads(metrics.read_text().splitlines()[0])  # timed from the start of Megatron's train
     assert first["iteration"] == 9 and isinstance(first["s_per_iter"], float) and first["s_per_iter"] > 0, first
+    lines = proc.stdout.splitlines()
+    notes = [i for i, line in enumerate(lines) if "the grad norm in Megatron's log line" in line]
+    logged = [i for i, line in enumerate(lines) if " iteration        9/" in line]
+    assert len(notes) == 1 and logged and notes[0] < logged[0], proc.stdout[-4000:]
+    assert "is the last pipeline stage's own gradient norm" in lines[notes[0]], lines[notes[0]]
 
 
 def test_a_tracked_checkpoint_without_its_marker_is_refused(tmp_path):

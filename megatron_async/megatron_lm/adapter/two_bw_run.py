@@ -59,11 +59,13 @@ class TwoBWRun(DelayedRun):
         from megatron.core.utils import get_model_config
         from megatron.training import get_args
 
+        from megatron_async.megatron_lm.observability.grad_norm_note import say_grad_norm_note
         from megatron_async.pipeline.stage_context import stage_context
 
         args = get_args()
         config = get_model_config(model_chunk)
         self.start_from_checkpoint(args)
+        say_grad_norm_note(args)  # before Megatron's first log line, which shows the last stage's norm
         context = stage_context(model_chunk, self.stash, forward_step_func, get_num_microbatches(),
                                 _activation_shape(args, config), config.pipeline_dtype or args.params_dtype)
         return self.spec.runner_class()(
