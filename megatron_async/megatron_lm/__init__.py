@@ -8,7 +8,8 @@
   initialisation (layout_invariant_init.py).
 - `checkpoint/`: what a Megatron checkpoint holds of ours and how it gets there: the
   optimizer's sharded state (optimizer_state.py), per-rank files for the torch format
-  (side_files.py), `megatron_async.json` (marker.py) and the saved RNG (saved_rng.py);
+  (side_files.py), `megatron_async.json` (marker.py, with the checksum of its own content:
+  marker_checksum.py) and the saved RNG (saved_rng.py);
   the stash's own torch_dist layout is stash/stash_checkpoint.py.
 - `safety/`: what keeps a run from losing work or hanging: one writer per --save
   (save_lock.py), room for a checkpoint (save_space.py) and a disk that fills during a
@@ -17,6 +18,7 @@
   no orphaned workers (launcher_watch.py), logs flushed before our own exits
   (exit_flush.py).
 - `observability/`: what a run reports: --metrics-json lines (metrics.py, records.py),
-  each rank's pace and memory (rank_stats.py), the loss plot (loss_plot.py) and the
-  MoE routing record (moe_routing.py).
+  each rank's pace and memory (rank_stats.py), the loss plot (loss_plot.py), the
+  MoE routing record (moe_routing.py) and which grad norm Megatron logs under 2bw
+  (grad_norm_note.py).
 """
