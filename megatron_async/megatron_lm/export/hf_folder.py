@@ -2,7 +2,9 @@
 
 A reader of `--out` sees no folder or a complete one: an export stopped midway leaves only
 a hidden `.NAME.export-*` folder beside it (removed when the export fails in Python). `--out`
-must not exist or be empty; a folder with anything in it, a model above all, is refused.
+must not exist or be empty; a folder with anything in it, a model above all, is refused, and so
+is a parent folder that is missing or cannot be written, before the checkpoint is read. A write
+the file system refuses later (a full disk) is one refusal naming `--out` (write_failures.py).
 The tokenizer, where the run used SentencePiece, goes in as its .model file and as the
 `tokenizers` file that transformers builds from it following its normaliser settings.
 """
@@ -15,16 +17,22 @@ import shutil
 import tempfile
 
 from megatron_async.megatron_lm.export import ExportError
+from megatron_async.megatron_lm.export.write_failures import refused_as_out
 
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 def check_out(out: str) -> None:
-    """Refuse an `--out` that exists and is not an empty folder."""
+    """Refuse an `--out` that exists and is not an empty folder, or whose parent folder (where the
+    folder is staged and renamed) is missing or cannot be written."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        what = "is not a folder" if os.path.lexists(parent) else "does not exist"
+        raise ExportError(f"--out {out}: its parent folder {what}")
+    with refused_as_out(out, "checking that its parent folder can be written"):
+        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.export-", dir=parent))
     if not os.path.lexists(out):
-        if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-            raise ExportError(f"--out {out}: its parent folder does not exist")
         return
     if not os.path.isdir(out):
         raise ExportError(f"--out {out}: exists and is not a folder")
@@ -67,7 +75,7 @@ def _write_tokenizer(model_path: str, folder: str) -> None:
     sp = spm.SentencePieceProcessor(model_file=model_path)
     ids = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id()}
     special = {name: sp.id_to_piece(i) for name, i in ids.items() if i >= 0}
-    with tempfile.TemporaryDirectory() as source:
+    with tempfile.TemporaryDirectory(dir=folder) as source:  # on --out's file system, as every write
         shutil.copy(model_path, os.path.join(source, "tokenizer.model"))
         with open(os.path.join(source, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump({"tokenizer_class": "TokenizersBackend", **special}, f)
@@ -86,11 +94,16 @@ def _usual_modes(folder: str) -> None:
 
 
 def write(out: str, hf_config, state_dict: dict, tokenizer_path: str | None) -> None:
-    """Config, weights (safetensors), generation config and tokenizer, staged and renamed to `out`."""
+    """Config, weights (safetensors), generation config and tokenizer, staged and renamed to `out`;
+    a write the file system refuses is one refusal naming `--out`, with nothing left there."""
+    with refused_as_out(out, "writing the model folder; nothing is left at --out"):
+        _stage_and_rename(os.path.abspath(out), hf_config, state_dict, tokenizer_path)
+
+
+def _stage_and_rename(out: str, hf_config, state_dict: dict, tokenizer_path: str | None) -> None:
     import torch
     import transformers
 
-    out = os.path.abspath(out)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=os.path.dirname(out))
     try:
         with torch.device("meta"):
