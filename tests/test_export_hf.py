@@ -11,8 +11,12 @@ serves every test here:
   cut the same tokens into different windows). Control: the untrained model's loss
   (iteration 1) is outside that.
 - Bad input is refused naming what is wrong, before any weight is read and anything is
-  written: no tracker, a torn checkpoint, an architecture no class computes, an `--out`
-  that holds a model.
+  written: no tracker, a torn checkpoint, a file whose bytes changed since the save
+  (training's checksum check; `--no-checkpoint-checksums` skips it), an architecture no
+  class computes, an `--out` that holds a model, or whose parent is missing or read-only
+  (before the checkpoint is read).
+- A write the file system refuses (read-only, full, a permission) is one refusal naming
+  `--out` and the cause, with nothing left there.
 """
 
 import copy
@@ -281,3 +285,187 @@ def test_an_export_that_fails_while_writing_leaves_no_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     hf_folder.write(str(tmp_path / "hf"), config, state, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+# The checkpoint's checksums (training's check, safety/checksum_guard.py) and `--out`'s file
+# system, through the command's own entry in this process: its one line and exit code.
+
+def _flip_a_weight(directory: Path, fqn: str = "embedding.word_embeddings.weight") -> Path:
+    """XOR 16 bytes in the middle of a model weight's chunk (found through `.metadata`): the file
+    keeps its size, so torch_dist's index and the torn-checkpoint check see nothing. Returns the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    info = next(info for index, info in FileSystemReader(str(directory)).read_metadata().storage_data.items()
+                if index.fqn == fqn)
+    path = directory / info.relative_path
+    data = bytearray(path.read_bytes())
+    middle = info.offset + info.length // 2
+    data[middle:middle + 16] = bytes(b ^ 0x7F for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _command(argv, monkeypatch, capsys, read: str = "weights"):
+    """The command's exit code, its `megatron-async: error:` lines and its stdout; reading the
+    weights (`read="weights"`) or the checkpoint at all (`read="checkpoint"`) fails the test."""
+    from megatron_async.megatron_lm.export import checkpoint_reader
+    from megatron_async.megatron_lm.export.cli import main
+
+    def reading(*args, **kwargs):
+        raise AssertionError(f"the {read} were read" if read == "weights" else "the checkpoint was read")
+
+    monkeypatch.setattr(checkpoint_reader, "read_weights" if read == "weights" else "locate", reading)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err[-4000:]
+    return exited.value.code, [line for line in err.splitlines() if line.startswith("megatron-async: error:")], out
+
+
+def test_a_checkpoint_whose_bytes_changed_is_refused_naming_the_file_and_the_opt_out(run, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """16 bytes of the word embeddings XOR-ed: without the check the export writes them (values
+    up to 1e37). Refused with the file, as training refuses its resume, before the saved arguments
+    are read. Control: the same copy unchanged reaches the weights."""
+    from megatron_async.megatron_lm.export import megatron_model
+
+    ckpt = _copy(run, tmp_path)
+    with pytest.raises(AssertionError, match="the weights were read"):
+        _command(["--load", ckpt, "--out", tmp_path / "hf"], monkeypatch, capsys)
+    flipped = _flip_a_weight(ckpt / f"iter_{ITERS:07d}")
+
+    def saved_args(directory):
+        raise AssertionError("the saved arguments were read")
+
+    monkeypatch.setattr(megatron_model, "saved_args", saved_args)
+    code, errors, _ = _command(["--load", ckpt, "--out", tmp_path / "hf"], monkeypatch, capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert f"damaged: {flipped} (its xxh3_64 checksum differs from the one taken at save" in errors[0], errors[0]
+    assert errors[0].endswith("; --no-checkpoint-checksums exports it unverified"), errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_marker_edited_to_hide_a_change_is_refused_naming_it_and_the_opt_out(run, tmp_path, monkeypatch, capsys):
+    """The word embeddings changed and their checksums taken out of megatron_async.json: the
+    marker no longer matches the checksum it holds of itself (training's seal), so it is refused
+    before the saved arguments are read, rather than exported as a checkpoint without checksums."""
+    from megatron_async.megatron_lm.export import megatron_model
+
+    ckpt = _copy(run, tmp_path)
+    directory = ckpt / f"iter_{ITERS:07d}"
+    _flip_a_weight(directory)
+    marker = json.loads((directory / "megatron_async.json").read_text())
+    del marker["checksums"]
+    (directory / "megatron_async.json").write_text(json.dumps(marker))
+
+    def saved_args(directory):
+        raise AssertionError("the saved arguments were read")
+
+    monkeypatch.setattr(megatron_model, "saved_args", saved_args)
+    code, errors, _ = _command(["--load", ckpt, "--out", tmp_path / "hf"], monkeypatch, capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert f"{directory / 'megatron_async.json'} does not match the checksum it holds of its own content" in errors[0]
+    assert "--no-checkpoint-checksums" in errors[0], errors[0]
+
+
+def test_no_checkpoint_checksums_exports_a_changed_checkpoint_unverified_saying_so(run, tmp_path, monkeypatch,
+                                                                                    capsys):
+    ckpt = _copy(run, tmp_path)
+    _flip_a_weight(ckpt / f"iter_{ITERS:07d}")
+    with pytest.raises(AssertionError, match="the weights were read"):
+        _command(["--load", ckpt, "--out", tmp_path / "hf", "--no-checkpoint-checksums"], monkeypatch, capsys)
+    said = capsys.readouterr().out
+    assert f"--no-checkpoint-checksums: the files of {ckpt / f'iter_{ITERS:07d}'} are loaded unverified" in said
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs mounted with `options` (as tests/test_save_space.py mounts its own), unmounted after."""
+    import subprocess
+
+    mounted = []
+
+    def mount(name: str, options: str) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_an_out_whose_parent_is_missing_is_refused_before_the_checkpoint_is_read(run, tmp_path, monkeypatch,
+                                                                                 capsys):
+    out = tmp_path / "missing" / "hf"
+    code, errors, _ = _command(["--load", run["ckpt"], "--out", out], monkeypatch, capsys, read="checkpoint")
+    assert code == 2 and errors == [f"megatron-async: error: --out {out}: its parent folder does not exist"], errors
+
+
+def test_an_out_on_a_read_only_file_system_is_refused_before_the_checkpoint_is_read(run, tmp_path, tmpfs,
+                                                                                    monkeypatch, capsys):
+    out = tmpfs("read_only", "ro,size=1m") / "hf"
+    code, errors, _ = _command(["--load", run["ckpt"], "--out", out], monkeypatch, capsys, read="checkpoint")
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"megatron-async: error: --out {out}: its file system is read-only ("), errors[0]
+    assert list(out.parent.iterdir()) == []
+
+
+def _small_gpt2(vocab: int):
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=vocab, n_positions=8,
+                                     dtype="float32", bos_token_id=0, eos_token_id=0)
+    return config, transformers.GPT2LMHeadModel(config).state_dict()
+
+
+@pytest.mark.parametrize("options, cause", [("ro,size=4m", "its file system is read-only"),
+                                            ("size=128k", "no space left on its device")], ids=["read-only", "full"])
+def test_a_write_the_file_system_refuses_is_one_refusal_naming_out_and_leaves_nothing(tmp_path, tmpfs, options,
+                                                                                      cause):
+    """Past the checks before the read (the file system turned read-only, or filled, meanwhile):
+    Python's OSError and safetensors' SafetensorError become the same refusal naming `--out` and
+    the cause, and the staging folder is removed. Control: the same folder fits a writable tmpfs
+    with room."""
+    from megatron_async.megatron_lm.export import ExportError, hf_folder
+
+    config, state = _small_gpt2(vocab=1024)  # about 0.5 MiB of weights
+    where = tmpfs("refusing", options)
+    with pytest.raises(ExportError) as refused:
+        hf_folder.write(str(where / "hf"), config, state, None)
+    assert str(refused.value).startswith(f"--out {where / 'hf'}: {cause} (writing the model folder"), refused.value
+    assert list(where.iterdir()) == []
+    roomy = tmpfs("roomy", "size=4m")
+    hf_folder.write(str(roomy / "hf"), config, state, None)
+    assert (roomy / "hf" / "model.safetensors").stat().st_size > 128 * 1024
+
+
+@pytest.mark.parametrize("failure, cause", [
+    (PermissionError(13, "Permission denied"), "permission denied"),  # root's writes pass modes: raised here
+    (Exception("No space left on device (os error 28)"), "no space left on its device"),  # as `tokenizers` raises
+], ids=["permission", "tokenizers-library"])
+def test_every_write_failure_is_the_same_refusal_and_a_defect_is_not(tmp_path, monkeypatch, failure, cause):
+    """A failure raised while the tokenizer is written (after the weights): the same refusal,
+    nothing left. Control: an exception that is no write failure propagates as it is."""
+    from megatron_async.megatron_lm.export import ExportError, hf_folder
+
+    config, state = _small_gpt2(vocab=64)
+
+    def failing(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(hf_folder, "_write_tokenizer", failing)
+    with pytest.raises(ExportError) as refused:
+        hf_folder.write(str(tmp_path / "hf"), config, state, "tokenizer.model")
+    assert str(refused.value).startswith(f"--out {tmp_path / 'hf'}: {cause} (writing the model folder"), refused.value
+    assert list(tmp_path.iterdir()) == []
+    failure = RuntimeError("a defect of the exporter")
+    with pytest.raises(RuntimeError, match="a defect of the exporter"):
+        hf_folder.write(str(tmp_path / "hf"), config, state, "tokenizer.model")
+    assert list(tmp_path.iterdir()) == []

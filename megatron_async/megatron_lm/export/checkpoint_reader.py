@@ -87,15 +87,21 @@ def is_torch_dist(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "metadata.json"))
 
 
+def check_present(directory: str) -> None:
+    """Refuse a torch_dist checkpoint with files missing or cut short (its own index says which;
+    no saved argument is needed, so this comes before anything else is read from it)."""
+    if is_torch_dist(directory):
+        _torch_dist_files(directory)
+
+
 def check_complete(directory: str, args) -> None:
-    """Refuse a checkpoint of another format, or with files missing or cut short."""
+    """Refuse a checkpoint of another format, or a torch-format one with a rank's file missing
+    (a torch_dist one's files: check_present)."""
     if args.ckpt_format not in ("torch_dist", "torch"):
         raise ExportError(f"--ckpt-format {args.ckpt_format}: only torch_dist and torch checkpoints are read")
     if args.ckpt_format == "torch_dist" and not is_torch_dist(directory):
         raise ExportError(f"--load: {directory} is torn: its metadata.json is missing")
-    if is_torch_dist(directory):
-        _torch_dist_files(directory)
-    else:
+    if not is_torch_dist(directory):
         _torch_files(directory, args)
         megatron_model.layout_args(args)  # the ranks that read it can build its layers
 

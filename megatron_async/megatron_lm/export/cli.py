@@ -1,9 +1,12 @@
 """`megatron-async-export-hf --load CKPT [--ckpt-step N] --out DIR`: a checkpoint as a Hugging Face model.
 
-Every refusal (no tracker, a torn checkpoint, an architecture no transformers class computes,
-an `--out` that holds something) comes before any weight is read and anything is written:
-one `megatron-async: error:` line naming the flag, exit 2. The weights are the live ones,
-never the 2bw stash (docs/two_bw.md, "Evaluation and checkpoints"; docs/export_hf.md).
+Every refusal (an `--out` that holds something or whose parent is missing or cannot be written,
+no tracker, a torn checkpoint, a file or the marker that differs from its checksum, an architecture no
+transformers class computes) comes before any weight is read and anything is written: one
+`megatron-async: error:` line naming the flag, exit 2; `--out` is checked first, as it costs
+nothing. A write the file system refuses later (a full disk) is one such line too, with nothing
+left at `--out`. The weights are the live ones, never the 2bw stash (docs/two_bw.md,
+"Evaluation and checkpoints"; docs/export_hf.md).
 """
 
 from __future__ import annotations
@@ -27,20 +30,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the model folder to create (must not exist, or be empty)")
     p.add_argument("--tokenizer-model", default=None,
                    help="the run's SentencePiece model, where it is no longer at the path the run saved")
+    p.add_argument("--no-checkpoint-checksums", action="store_true",
+                   help="export without checking the checkpoint's files against the checksums taken at save "
+                        "(as training's flag of that name skips the check at load)")
     return p
 
 
-def export(load: str, out: str, ckpt_step: int | None = None, tokenizer_model: str | None = None) -> dict:
-    """Export the live weights; returns what was written."""
+def export(load: str, out: str, ckpt_step: int | None = None, tokenizer_model: str | None = None,
+           checksums: bool = True) -> dict:
+    """Export the live weights; returns what was written. `checksums`: check the checkpoint's
+    files against those taken at save, as a resume does."""
+    from megatron_async.megatron_lm.export import checkpoint_checksums, hf_architecture, hf_folder, hf_weights
     from megatron_async.megatron_lm.export import checkpoint_reader as reader
-    from megatron_async.megatron_lm.export import hf_architecture, hf_folder, hf_weights, megatron_model
+    from megatron_async.megatron_lm.export import megatron_model
 
+    hf_folder.check_out(out)
     directory = reader.locate(load, ckpt_step)
+    reader.check_present(directory)
+    checkpoint_checksums.verify(load, ckpt_step, checksums)
     args = megatron_model.saved_args(directory)
     hf_architecture.refuse_unmapped(args)
     config = megatron_model.model_config(megatron_model.one_stage_args(args)).transformer
     arch = hf_architecture.architecture(args, config)
-    hf_folder.check_out(out)
     tokenizer = hf_folder.tokenizer_model(args, tokenizer_model)
     reader.check_complete(directory, args)
     with tempfile.TemporaryDirectory(prefix="megatron-async-export-") as scratch:
@@ -67,7 +78,8 @@ def expected_shapes(hf_config) -> dict:
 def main(argv=None) -> None:
     options = parser().parse_args(argv)
     try:
-        done = export(options.load, options.out, options.ckpt_step, options.tokenizer_model)
+        done = export(options.load, options.out, options.ckpt_step, options.tokenizer_model,
+                      checksums=not options.no_checkpoint_checksums)
     except ExportError as exc:
         print(f"megatron-async: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
