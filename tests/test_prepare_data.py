@@ -231,3 +231,24 @@ def test_an_empty_input_among_others_is_named_when_skipped():
     assert said == [f"--input {empty}: empty (no text), skipped", f"--input {blank}: empty (no text), skipped"]
     # negative control: an input with text is not named
     assert not any(str(text) in line for line in said)
+
+
+def test_a_tiny_corpus_trains_its_tokenizer_and_a_failure_names_its_cause(tmp_path):
+    """Documents shorter than SentencePiece's least sentence length (10 bytes) still train a
+    tokenizer that round-trips them. A vocabulary smaller than the characters it must hold is
+    named with the size to pass, and that size trains; text with nothing to train on (only line
+    breaks) is named as such, not as a --vocab-size to change."""
+    from megatron_async.data.tokenizer import train_tokenizer
+
+    vocab = train_tokenizer(["hi", "ho"], tmp_path / "tiny.model", 64)
+    assert 4 < vocab <= 64
+    tokenizer = load_tokenizer(tmp_path / "tiny.model")
+    assert tokenizer.detokenize(tokenizer.tokenize("hi")) == "hi"
+    pangram = ["the quick brown fox jumps over the lazy dog"]
+    with pytest.raises(DataError, match="--vocab-size 16 is smaller than") as err:
+        train_tokenizer(pangram, tmp_path / "small.model", 16)
+    needed = int(str(err.value).split("pass --vocab-size ")[1].split()[0])
+    assert train_tokenizer(pangram, tmp_path / "enough.model", needed) == needed
+    with pytest.raises(DataError, match="hold no text it can train on") as err:
+        train_tokenizer(["\n", "\n\n"], tmp_path / "empty.model", 64)
+    assert "--vocab-size" not in str(err.value)

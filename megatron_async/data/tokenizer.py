@@ -17,10 +17,14 @@ Training choices, and why:
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Iterable
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+# SentencePiece refuses a --max_sentence_length below 10 bytes (trainer_interface.cc), which
+# a corpus whose longest document is shorter would otherwise ask for
+SPM_MIN_SENTENCE_BYTES = 10
 # Megatron-Core's tokenizer factory reads this to pick its GPT SentencePiece tokenizer.
 METADATA = {"library": "sentencepiece", "model_type": "gpt", "chat_template": None}
 
@@ -56,14 +60,28 @@ def train_tokenizer(texts: Iterable[str], model_path: Path, vocab_size: int, see
             bos_id=BOS_ID,
             eos_id=EOS_ID,
             pad_id=PAD_ID,
-            max_sentence_length=longest + 1,
+            max_sentence_length=max(longest + 1, SPM_MIN_SENTENCE_BYTES),
             num_threads=1,
             minloglevel=2,
         )
     except RuntimeError as exc:
-        raise DataError(f"SentencePiece training failed (try a different --vocab-size): {exc}") from None
+        raise DataError(_training_failure(str(exc), vocab_size)) from None
     Path(model_path).write_bytes(proto.getvalue())
     return spm.SentencePieceProcessor(model_proto=proto.getvalue()).get_piece_size()
+
+
+def _training_failure(message: str, vocab_size: int) -> str:
+    """SentencePiece's failed check as its cause in the user's terms: no text to train on, or a
+    vocabulary smaller than the characters it must hold; anything else with its own message."""
+    if "!sentences_.empty()" in message:
+        return ("SentencePiece training failed: the training documents hold no text it can train on (only line "
+                "breaks or whitespace); give it documents with text")
+    needed = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", message)
+    if needed:
+        return (f"SentencePiece training failed: --vocab-size {vocab_size} is smaller than the {needed.group(1)} "
+                "pieces the training text needs (each of its distinct characters, the line break and the 4 "
+                f"special tokens); pass --vocab-size {needed.group(1)} or more")
+    return f"SentencePiece training failed (try a different --vocab-size): {message}"
 
 
 def load_tokenizer(model_path):
