@@ -384,6 +384,9 @@ def main(argv=None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the training command line")
     ns = parser.parse_args(argv)
     train_args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    from megatron_async.planning.quiet_notices import silence_known_notices
+
+    silence_known_notices()  # before Megatron's imports: the table comes first
 
     from megatron_async.check_flags import parse, prepare
 
