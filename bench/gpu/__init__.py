@@ -1,1 +1,1 @@
-"""Checks prepared for a lent GPU: each runs as one device command (docs/benchmarks.md)."""
+"""Checks on one GPU: 2bw over real NCCL and the 10B MoE stage's memory, each one command (docs/benchmarks.md)."""

@@ -1,14 +1,14 @@
-"""Transformer Engine's first check on a lent GPU: it imports, and an fp8 te.Linear trains a step.
+"""Transformer Engine's first check on a GPU node: it imports, and an fp8 te.Linear trains a step.
 
-Run by bench/gpu/te_device_setup.sh after the install, before any test spends device time on
-TE: `import transformer_engine.pytorch`, then one te.Linear forward and backward under fp8
-(delayed scaling, hybrid format) and the same weights in bf16. It passes when every output and
-gradient is finite and the fp8 output differs from the bf16 one by more than nothing (fp8 was
-really used) and by less than `--tolerance` (relative), and when Megatron-Core imports its TE
-layers and takes TE's fused Adam. The result, with the versions that ran, goes to `--json`
-(bench/gpu/te_setup_report.py reads it).
+Run by docker/te_offline/te_node_setup.sh after the install, before anything trains with TE:
+`import transformer_engine.pytorch`, then one te.Linear forward and backward under fp8 (delayed
+scaling, hybrid format) and the same weights in bf16. It passes when every output and gradient
+is finite and the fp8 output differs from the bf16 one by more than nothing (fp8 was really
+used) and by less than `--tolerance` (relative), and when Megatron-Core imports its TE layers
+and takes TE's fused Adam. The result, with the versions that ran, goes to `--json`
+(docker/te_offline/te_setup_report.py reads it).
 
-    PYTHONPATH=/tmp/site:$PWD python3 -m bench.gpu.te_smoke --json $OUT/te_smoke.json
+    PYTHONPATH=/tmp/site python3 docker/te_offline/te_smoke.py --json $OUT/te_smoke.json
 """
 
 import argparse
@@ -85,7 +85,7 @@ def smoke(result: dict, tolerance: float) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu.te_smoke", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="te_smoke.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--tolerance", type=float, default=0.1,
                         help="largest relative difference of fp8 from bf16 (output and gradients)")

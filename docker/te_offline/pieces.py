@@ -1,17 +1,18 @@
-"""Files too large for one device call, carried as pieces and put back together on the device.
+"""Files too large for one transfer, carried to a GPU node as checked pieces and put back together there.
 
-A device call carries at most 64 MiB, and Transformer Engine's core wheel alone is 276 MB. The
-files to carry are joined into one bundle, cut into pieces of at most `--max-mib`, and each
-piece is written to a folder of its own with the manifest (every piece's and file's size and
-sha256, and the bundle's), so one call carries one folder. On the device each call's piece is
-checked against the manifest as it arrives (`receive`), and `join` rebuilds the files only when
-every piece is there and every checksum agrees: a missing, truncated or altered piece stops
-the setup, naming the piece and the call that carries it, instead of installing a wrong wheel.
-Only the standard library: the device runs it with its own python3 from the checkout.
+A node that reaches no package index gets its wheels copied in, and what one copy can carry
+may be limited (an upload limit, a gateway), while Transformer Engine's core wheel alone is
+276 MB. The files to carry are joined into one bundle, cut into pieces of at most `--max-mib`,
+and each piece is written to a numbered folder of its own with the manifest (every piece's and
+file's size and sha256, and the bundle's), so one transfer carries one folder. On the node each
+folder's piece is checked against the manifest as it arrives (`receive`), and `join` rebuilds
+the files only when every piece is there and every checksum agrees: a missing, truncated or
+altered piece stops the install, naming the piece and the folder that carries it, instead of
+installing a wrong wheel. Only the standard library: the node runs it with its own python3.
 
-    python -m bench.gpu.pieces split --max-mib 60 --out .te/calls FILE...
-    python -m bench.gpu.pieces receive .te/calls/3 --store /tmp/te      # on the device, each call
-    python -m bench.gpu.pieces join --store /tmp/te --dest /tmp/te/files  # on the device, last call
+    python3 docker/te_offline/pieces.py split --max-mib 60 --out .te/pieces FILE...
+    python3 docker/te_offline/pieces.py receive .te/pieces/3 --store /tmp/te      # on the node, each folder
+    python3 docker/te_offline/pieces.py join --store /tmp/te --dest /tmp/te/files  # on the node, at the end
 """
 
 import argparse
@@ -41,7 +42,7 @@ def sha256_file(path) -> str:
 
 
 def piece_name(index: int, count: int) -> str:
-    """1-based, so that piece k travels in device call k."""
+    """1-based, so that piece k travels in folder k."""
     return f"piece-{index:02d}-of-{count:02d}"
 
 
@@ -125,44 +126,44 @@ def read_manifest(path) -> dict:
     return manifest
 
 
-def _check_piece(path: Path, entry: dict, call: int) -> None:
+def _check_piece(path: Path, entry: dict, number: int) -> None:
     if not path.is_file():
-        raise PiecesError(f"{entry['name']} is missing from {path.parent}: make device call {call} again")
+        raise PiecesError(f"{entry['name']} is missing from {path.parent}: receive piece folder {number} again")
     size = path.stat().st_size
     if size != entry["size"]:
         raise PiecesError(f"{entry['name']} has {size} bytes, the manifest {entry['size']}: "
-                          f"make device call {call} again")
+                          f"receive piece folder {number} again")
     actual = sha256_file(path)
     if actual != entry["sha256"]:
         raise PiecesError(f"{entry['name']} has sha256 {actual}, the manifest {entry['sha256']}: "
-                          f"make device call {call} again")
+                          f"receive piece folder {number} again")
 
 
 def present(manifest: dict, store) -> list[int]:
-    """The calls (1-based) whose piece is in store, by name only."""
+    """The folders (1-based) whose piece is in store, by name only."""
     return [i for i, p in enumerate(manifest["pieces"], 1) if (Path(store) / p["name"]).is_file()]
 
 
-def receive(call_dir, store) -> dict:
-    """Check the one piece call_dir carries and copy it into store; returns the manifest."""
-    call_dir, store = Path(call_dir), Path(store)
-    manifest = read_manifest(call_dir / MANIFEST)
-    carried = [(i, p) for i, p in enumerate(manifest["pieces"], 1) if (call_dir / p["name"]).is_file()]
+def receive(folder, store) -> dict:
+    """Check the one piece folder carries and copy it into store; returns the manifest."""
+    folder, store = Path(folder), Path(store)
+    manifest = read_manifest(folder / MANIFEST)
+    carried = [(i, p) for i, p in enumerate(manifest["pieces"], 1) if (folder / p["name"]).is_file()]
     if len(carried) != 1:
-        raise PiecesError(f"{call_dir} carries {len(carried)} pieces of its manifest, expected 1")
-    call, entry = carried[0]
-    _check_piece(call_dir / entry["name"], entry, call)
+        raise PiecesError(f"{folder} carries {len(carried)} pieces of its manifest, expected 1")
+    number, entry = carried[0]
+    _check_piece(folder / entry["name"], entry, number)
     store.mkdir(parents=True, exist_ok=True)
     if (store / MANIFEST).is_file():
         held = read_manifest(store / MANIFEST)
         if held["bundle"] != manifest["bundle"]:
             raise PiecesError(f"{store} holds pieces of another bundle (sha256 {held['bundle']['sha256']}, "
                               f"this piece's {manifest['bundle']['sha256']}): remove {store} and start again "
-                              f"from call 1")
+                              f"from folder 1")
     else:
         write_manifest(manifest, store / MANIFEST)
     tmp = store / (entry["name"] + ".part")
-    shutil.copyfile(call_dir / entry["name"], tmp)
+    shutil.copyfile(folder / entry["name"], tmp)
     os.replace(tmp, store / entry["name"])
     return manifest
 
@@ -175,7 +176,7 @@ def join(store, dest) -> dict:
     missing = [i for i, p in enumerate(pieces, 1) if not (store / p["name"]).is_file()]
     if missing:
         raise PiecesError(f"missing pieces {', '.join(pieces[i - 1]['name'] for i in missing)} in {store}: "
-                          f"make device calls {', '.join(map(str, missing))} first")
+                          f"receive piece folders {', '.join(map(str, missing))} first")
     for i, entry in enumerate(pieces, 1):
         _check_piece(store / entry["name"], entry, i)
     dest.mkdir(parents=True, exist_ok=True)
@@ -236,14 +237,14 @@ class _piece_stream:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu.pieces", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="pieces.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("split", help="cut FILEs into pieces, one folder per device call")
+    p = sub.add_parser("split", help="cut FILEs into pieces, one numbered folder each")
     p.add_argument("files", nargs="+")
     p.add_argument("--out", required=True)
     p.add_argument("--max-mib", type=float, default=60.0)
-    p = sub.add_parser("receive", help="check one call's piece and copy it into the store")
-    p.add_argument("call_dir")
+    p = sub.add_parser("receive", help="check one folder's piece and copy it into the store")
+    p.add_argument("folder")
     p.add_argument("--store", required=True)
     p = sub.add_parser("join", help="rebuild the files once every piece is in the store")
     p.add_argument("--store", required=True)
@@ -253,11 +254,11 @@ def main(argv=None) -> int:
         if args.command == "split":
             manifest = split(args.files, args.out, int(args.max_mib * MIB))
             for i, piece in enumerate(manifest["pieces"], 1):
-                print(f"call {i}: {Path(args.out) / str(i)} ({piece['size'] / MIB:.1f} MiB)")
+                print(f"folder {i}: {Path(args.out) / str(i)} ({piece['size'] / MIB:.1f} MiB)")
             print(f"bundle {manifest['bundle']['size'] / MIB:.1f} MiB, {len(manifest['files'])} files, "
                   f"sha256 {manifest['bundle']['sha256']}")
         elif args.command == "receive":
-            manifest = receive(args.call_dir, args.store)
+            manifest = receive(args.folder, args.store)
             have = present(manifest, args.store)
             want = [i for i in range(1, len(manifest["pieces"]) + 1) if i not in have]
             print(f"pieces: have {','.join(map(str, have))} of {len(manifest['pieces'])}"

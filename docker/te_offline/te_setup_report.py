@@ -1,14 +1,13 @@
-"""The record of putting Transformer Engine on a lent GPU: each phase's time and the smoke check.
+"""The record of installing Transformer Engine on a GPU node: each phase's time and the smoke check.
 
-bench/gpu/te_device_setup.sh appends one line per phase (`name<TAB>exit status<TAB>seconds`) to
-a file that outlives its device calls (under /tmp on the warm machine), and its last call turns
-that file and the smoke check's JSON (bench/gpu/te_smoke.py) into `$OUT/te_setup.json`, which
-docs/gpu_te.md quotes. `read_report` refuses a file that is not such a record instead of
-quoting half of one.
+docker/te_offline/te_node_setup.sh appends one line per phase (`name<TAB>exit status<TAB>seconds`)
+to a file in its store, which outlives each run of the script, and its `setup` run turns that
+file and the smoke check's JSON (docker/te_offline/te_smoke.py) into `$OUT/te_setup.json`.
+`read_report` refuses a file that is not such a record instead of reporting half of one.
 
-    python3 -m bench.gpu.te_setup_report write --phases /tmp/te/phases.tsv --smoke $OUT/te_smoke.json \\
-        --build carried --out $OUT/te_setup.json
-    python -m bench.gpu.te_setup_report show out/gpu/te_setup.json
+    python3 docker/te_offline/te_setup_report.py write --phases /tmp/te/phases.tsv \\
+        --smoke $OUT/te_smoke.json --build carried --out $OUT/te_setup.json
+    python3 docker/te_offline/te_setup_report.py show out/gpu/te_setup.json
 """
 
 import argparse
@@ -17,11 +16,11 @@ import sys
 from pathlib import Path
 
 FORMAT = "megatron-async-te-setup/1"
-BUILDS = ("carried", "device")
+BUILDS = ("carried", "node")  # the extension te_prepare.sh carried, or one built on the node
 
 
 class ReportError(Exception):
-    """A phases file or report that is not what te_device_setup.sh writes."""
+    """A phases file or report that is not what te_node_setup.sh writes."""
 
 
 def read_phases(path) -> list[dict]:
@@ -67,10 +66,10 @@ def read_report(path) -> dict:
 
 
 def summary(report: dict) -> list[str]:
-    """What docs/gpu_te.md records of one setup: phases, total, versions, the fp8 difference."""
+    """One setup in a few lines: phases, total, versions, the fp8 difference."""
     lines = [f"{p['name']}: {p['seconds']:.1f} s" + ("" if p["rc"] == 0 else f" (exit {p['rc']})")
              for p in report["phases"]]
-    lines.append(f"in-call total: {report['setup_s']:.1f} s; extension {report['build']}; "
+    lines.append(f"total: {report['setup_s']:.1f} s; extension {report['build']}; "
                  f"{'ok' if report['ok'] else 'NOT ok'}")
     smoke = report.get("smoke") or {}
     if smoke:
@@ -88,7 +87,7 @@ def summary(report: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu.te_setup_report",
+    parser = argparse.ArgumentParser(prog="te_setup_report.py",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("write")

@@ -1,15 +1,17 @@
-"""The pieces a lent GPU receives Transformer Engine in, checked on the CPU before device time is spent.
+"""Transformer Engine installed from checked pieces on a GPU node without a package index
+(docker/te_offline/), checked on the CPU.
 
-bench/gpu/pieces.py cuts files into pieces one device call each can carry, and on the device
-rebuilds them only when every piece is present and every checksum agrees. Here: a few MiB of
-random files cut with a small limit come back byte for byte; a flipped byte, a missing piece, a
-piece of another bundle and a manifest that disagrees with itself are refused, naming what to do;
-the whole-file check catches an alteration the per-piece check was made blind to (negative
-control of the second line of defence); bench/gpu/te_device_setup.sh stops at the join with
-exit 2 when a piece is missing; and the device's setup report (bench/gpu/te_setup_report.py)
+docker/te_offline/pieces.py cuts files into pieces of a size one transfer can carry, and on the
+node rebuilds them only when every piece is present and every checksum agrees. Here: a few MiB
+of random files cut with a small limit come back byte for byte; a flipped byte, a missing piece,
+a piece of another bundle and a manifest that disagrees with itself are refused, naming what to
+do; the whole-file check catches an alteration the per-piece check was made blind to (negative
+control of the second line of defence); docker/te_offline/te_node_setup.sh stops at the join
+with exit 2 when a piece is missing; and the setup report (docker/te_offline/te_setup_report.py)
 is written, read back and refused when malformed.
 """
 
+import importlib.util
 import json
 import os
 import random
@@ -19,10 +21,21 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import pieces, te_setup_report
-from bench.gpu.pieces import MIB, PiecesError
-
 REPO = Path(__file__).resolve().parent.parent
+TE_OFFLINE = REPO / "docker" / "te_offline"
+
+
+def _load(name: str):
+    """A script of docker/te_offline as a module of its own name (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(f"te_offline_{name}", TE_OFFLINE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pieces = _load("pieces")
+te_setup_report = _load("te_setup_report")
+MIB, PiecesError = pieces.MIB, pieces.PiecesError
 
 
 @pytest.fixture
@@ -35,12 +48,12 @@ def bundle(tmp_path):
     for name, size in sizes.items():
         (src / name).write_bytes(rng.randbytes(size))
     files = [src / name for name in sizes]
-    manifest = pieces.split(files, tmp_path / "calls", MIB)
+    manifest = pieces.split(files, tmp_path / "pieces", MIB)
     return files, manifest, tmp_path
 
 
-def _receive_all(calls, store, skip=()):
-    for folder in sorted(calls.iterdir()):
+def _receive_all(folders, store, skip=()):
+    for folder in sorted(folders.iterdir()):
         if folder.is_dir() and int(folder.name) not in skip:
             pieces.receive(folder, store)
 
@@ -50,9 +63,9 @@ def test_split_and_join_give_back_every_file(bundle):
     assert len(manifest["pieces"]) == 5  # 4.2 MiB in pieces of 1 MiB
     assert all(p["size"] <= MIB for p in manifest["pieces"])
     for k in range(1, 6):
-        carried = sorted(f.name for f in (tmp / "calls" / str(k)).iterdir())
+        carried = sorted(f.name for f in (tmp / "pieces" / str(k)).iterdir())
         assert carried == sorted([pieces.MANIFEST, manifest["pieces"][k - 1]["name"]])
-    _receive_all(tmp / "calls", tmp / "store")
+    _receive_all(tmp / "pieces", tmp / "store")
     pieces.join(tmp / "store", tmp / "out")
     for f in files:
         assert (tmp / "out" / f.name).read_bytes() == f.read_bytes()
@@ -60,8 +73,8 @@ def test_split_and_join_give_back_every_file(bundle):
 
 def test_the_manifest_round_trips_and_a_self_contradicting_one_is_refused(bundle):
     _, manifest, tmp = bundle
-    assert pieces.read_manifest(tmp / "calls" / pieces.MANIFEST) == manifest
-    assert pieces.read_manifest(tmp / "calls" / "3" / pieces.MANIFEST) == manifest
+    assert pieces.read_manifest(tmp / "pieces" / pieces.MANIFEST) == manifest
+    assert pieces.read_manifest(tmp / "pieces" / "3" / pieces.MANIFEST) == manifest
     bad = dict(manifest, pieces=manifest["pieces"][:-1])
     pieces.write_manifest(bad, tmp / "bad.json")
     with pytest.raises(PiecesError, match="disagree"):
@@ -74,24 +87,24 @@ def test_the_manifest_round_trips_and_a_self_contradicting_one_is_refused(bundle
 def test_a_flipped_byte_is_refused_on_arrival_and_at_the_join(bundle):
     _, manifest, tmp = bundle
     name = manifest["pieces"][1]["name"]
-    carried = tmp / "calls" / "2" / name
+    carried = tmp / "pieces" / "2" / name
     data = bytearray(carried.read_bytes())
     data[12345] ^= 0x01
     carried.write_bytes(bytes(data))
-    with pytest.raises(PiecesError, match=f"{name} has sha256 .*make device call 2 again"):
-        pieces.receive(tmp / "calls" / "2", tmp / "store")
-    _receive_all(tmp / "calls", tmp / "store", skip={2})
+    with pytest.raises(PiecesError, match=f"{name} has sha256 .*receive piece folder 2 again"):
+        pieces.receive(tmp / "pieces" / "2", tmp / "store")
+    _receive_all(tmp / "pieces", tmp / "store", skip={2})
     (tmp / "store" / name).write_bytes(bytes(data))  # as if the copy were altered after arrival
-    with pytest.raises(PiecesError, match=f"{name} has sha256 .*make device call 2 again"):
+    with pytest.raises(PiecesError, match=f"{name} has sha256 .*receive piece folder 2 again"):
         pieces.join(tmp / "store", tmp / "out")
     assert not (tmp / "out").exists()
 
 
-def test_a_missing_piece_is_refused_naming_its_call(bundle):
+def test_a_missing_piece_is_refused_naming_its_folder(bundle):
     _, manifest, tmp = bundle
-    _receive_all(tmp / "calls", tmp / "store", skip={4})
+    _receive_all(tmp / "pieces", tmp / "store", skip={4})
     assert pieces.present(manifest, tmp / "store") == [1, 2, 3, 5]
-    with pytest.raises(PiecesError, match=f"missing pieces {manifest['pieces'][3]['name']} .*device calls 4 first"):
+    with pytest.raises(PiecesError, match=f"missing pieces {manifest['pieces'][3]['name']} .*receive piece folders 4 first"):
         pieces.join(tmp / "store", tmp / "out")
 
 
@@ -99,7 +112,7 @@ def test_the_whole_file_check_catches_what_the_piece_check_was_blinded_to(bundle
     """Negative control: a piece altered together with its manifest entry passes the piece
     check, so only the rebuilt files' and the bundle's sha256 can stop it."""
     _, manifest, tmp = bundle
-    _receive_all(tmp / "calls", tmp / "store")
+    _receive_all(tmp / "pieces", tmp / "store")
     store_piece = tmp / "store" / manifest["pieces"][0]["name"]
     data = bytearray(store_piece.read_bytes())
     data[0] ^= 0xFF
@@ -114,12 +127,12 @@ def test_the_whole_file_check_catches_what_the_piece_check_was_blinded_to(bundle
 
 def test_pieces_of_two_bundles_do_not_mix(bundle, tmp_path):
     _, _, tmp = bundle
-    pieces.receive(tmp / "calls" / "1", tmp / "store")
+    pieces.receive(tmp / "pieces" / "1", tmp / "store")
     other_src = tmp_path / "other.bin"
     other_src.write_bytes(b"x" * 1000)
-    pieces.split([other_src], tmp_path / "other_calls", MIB)
+    pieces.split([other_src], tmp_path / "other_pieces", MIB)
     with pytest.raises(PiecesError, match="holds pieces of another bundle"):
-        pieces.receive(tmp_path / "other_calls" / "1", tmp / "store")
+        pieces.receive(tmp_path / "other_pieces" / "1", tmp / "store")
 
 
 def test_split_refuses_to_clear_a_folder_it_did_not_write(tmp_path):
@@ -132,21 +145,20 @@ def test_split_refuses_to_clear_a_folder_it_did_not_write(tmp_path):
     assert (tmp_path / "keep" / "notes.txt").read_text() == "mine"
 
 
-def test_the_device_script_stops_at_the_join_when_a_piece_is_missing(bundle):
-    """bench/gpu/te_device_setup.sh as the device runs it, up to the join (no GPU needed)."""
+def test_the_node_script_stops_at_the_join_when_a_piece_is_missing(bundle):
+    """docker/te_offline/te_node_setup.sh as the node runs it, up to the join (no GPU needed)."""
     _, manifest, tmp = bundle
-    env = dict(os.environ, OUT=str(tmp / "out_dir"), TE_STORE=str(tmp / "store"), SITE=str(tmp / "site"),
-               PYTHONPATH=str(REPO))
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # python3 = this Python, as on the device
-    script = str(REPO / "bench" / "gpu" / "te_device_setup.sh")
+    env = dict(os.environ, OUT=str(tmp / "out_dir"), TE_STORE=str(tmp / "store"), SITE=str(tmp / "site"))
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # python3 = this Python, as on the node
+    script = str(TE_OFFLINE / "te_node_setup.sh")
     for k in (1, 2, 3):
-        done = subprocess.run(["bash", script, "receive", str(tmp / "calls" / str(k))], cwd=REPO, env=env,
+        done = subprocess.run(["bash", script, "receive", str(tmp / "pieces" / str(k))], cwd=tmp, env=env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-    done = subprocess.run(["bash", script, "setup", str(tmp / "calls" / "5")], cwd=REPO, env=env,
+    done = subprocess.run(["bash", script, "setup", str(tmp / "pieces" / "5")], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "make device calls 4 first" in done.stderr
+    assert "receive piece folders 4 first" in done.stderr
     phases = te_setup_report.read_phases(tmp / "store" / "phases.tsv")
     assert [(p["name"], p["rc"]) for p in phases] == [("receive 1", 0), ("receive 2", 0), ("receive 3", 0),
                                                        ("receive 5", 0), ("join", 2)]
@@ -169,7 +181,7 @@ def test_the_setup_report_is_written_read_and_refused_when_malformed(tmp_path):
     assert any("fp8 against bf16" in line and "dw 5.00e-02" in line for line in lines)
     assert "smoke: done; TE 2.20.2, torch 2.11.0+cu130, git 70d99e998b49, on GPU, fp8 True" in lines
     failed = te_setup_report.build_report(te_setup_report.read_phases(tmp_path / "phases.tsv"),
-                                          dict(smoke, ok=False, stage="exception"), "device")
+                                          dict(smoke, ok=False, stage="exception"), "node")
     assert failed["ok"] is False
     (tmp_path / "broken.tsv").write_text("join\t0\n")
     with pytest.raises(te_setup_report.ReportError, match="broken.tsv:1"):
