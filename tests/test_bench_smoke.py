@@ -113,15 +113,6 @@ def test_quick_optimizer_cost_splits_newton_schulz_between_ranks(tmp_path):
         assert max(rows[split]["ns_calls_per_rank"]) < everyone[0]
 
 
-def test_quick_torch_pipelining_reports_its_schedules(tmp_path):
-    from bench.throughput import torch_pipelining
-
-    result = torch_pipelining.main(["--quick", "--json", str(tmp_path / "tp.json")])
-    assert set(result["s_per_microbatch"]) == {"pp1_m4", "1f1b_m4", "zbv_m4"} and not result["errors"]
-    assert all(t > 0 for t in result["s_per_microbatch"].values())
-    assert result["split_backward_overhead"] > -1
-
-
 def test_quick_stage_breakdown_times_each_rank_inside_its_iterations(tmp_path):
     from bench.throughput import stage_breakdown
 

@@ -1,1 +1,1 @@
-"""Throughput: pipeline schedules in Megatron's loop and in PyTorch's, per-stage costs, start-up, the GPU projection."""
+"""Throughput: pipeline schedules in Megatron's loop, per-stage costs, start-up, the GPU projection."""

@@ -497,7 +497,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--region", metavar="THROUGHPUT_JSON",
                     help="2BW vs ZB-V for p = 2..16 from the PP=1 costs measured by bench/throughput/pipeline_throughput.py")
     ap.add_argument("--split-overhead", type=float, default=0.04,
-                    help="extra cost of a split backward (bench/throughput/torch_pipelining.py measures it)")
+                    help="extra cost of a split backward, as a fraction of the plain one")
     args = ap.parse_args(argv)
     if args.region:
         one = json.loads(Path(args.region).read_text())["stage_costs"]["pp1"][0]

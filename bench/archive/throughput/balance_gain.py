@@ -1,8 +1,9 @@
-"""The stage planner's predicted gain against the measured one, for a vocabulary-heavy GPT.
+"""The stage planner's predicted gain against the measured one, for a vocabulary-heavy GPT: a one-off
+study, kept with its results (bench/archive/benchmarks_history.md).
 
-    .venv/bin/python -m bench.throughput.balance_gain [--rounds 6] [--iters 16] [--json PATH]
-    .venv/bin/python -m bench.throughput.balance_gain --pp 4 --split 4=8,11,12,1 --rounds 3  # a given split
-    .venv/bin/python -m bench.throughput.balance_gain --quick   # tiny model, PP=2, one round
+    .venv/bin/python -m bench.archive.throughput.balance_gain [--rounds 6] [--iters 16] [--json PATH]
+    .venv/bin/python -m bench.archive.throughput.balance_gain --pp 4 --split 4=8,11,12,1 --rounds 3  # a given split
+    .venv/bin/python -m bench.archive.throughput.balance_gain --quick   # tiny model, PP=2, one round
 
 A GPT of 32 layers whose output layer weighs many transformer layers (hidden 128,
 vocabulary 32,768, sequence 128, micro-batch 2, untied) runs under 2bw at PP=2 (m=4)
@@ -52,7 +53,7 @@ from bench.results import emit
 from bench.throughput import stage_breakdown
 from tests.support.launch import start_torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODEL = dict(layers=32, hidden=128, heads=4, vocab=32768, seq=128, mbs=2)
 QUICK_MODEL = dict(layers=4, hidden=32, heads=4, vocab=4096, seq=16, mbs=2)
 TWO_BW = ["--pipeline-schedule", "2bw"]
@@ -126,7 +127,7 @@ def run_job(model: dict, pp: int, m: int, extra: list, iters: int) -> list[dict]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = training_flags(model, pp, m, iters, os.path.join(tmp, "stats"), extra)
         at = cmd.index("megatron_async.launch")
-        cmd[at:at + 1] = ["bench.throughput.balance_gain", "--worker", tmp]
+        cmd[at:at + 1] = ["bench.archive.throughput.balance_gain", "--worker", tmp]
         proc = start_torchrun(cmd, cwd=ROOT, env=env).wait(1800)
         if proc.returncode != 0:
             raise RuntimeError(f"PP={pp} {extra} failed:\n{proc.stdout[-3000:]}")
@@ -277,7 +278,7 @@ def main(argv=None) -> dict:
     result = {
         "date": datetime.date.today().isoformat(), **info, "model": model, "iters": iters, "rounds": rounds,
         "first_timed_iteration": stage_breakdown.FIRST_TIMED_ITERATION, "wall_minutes": (time.time() - started) / 60,
-        "command": "python -m bench.throughput.balance_gain " + " ".join(argv), "pipelines": results,
+        "command": "python -m bench.archive.throughput.balance_gain " + " ".join(argv), "pipelines": results,
     }
     return emit(result, report(result), args.json)
 

@@ -1,7 +1,8 @@
-"""PyTorch's own pipeline schedules (`torch.distributed.pipelining`) at PP=2, on CPU processes.
+"""PyTorch's own pipeline schedules (`torch.distributed.pipelining`) at PP=2, on CPU processes: a
+one-off study, kept with its results (bench/archive/benchmarks_history.md).
 
-    .venv/bin/python -m bench.throughput.torch_pipelining [--repeats R] [--iters N] [--json PATH]
-    .venv/bin/python -m bench.throughput.torch_pipelining --quick      # tiny model, three configurations
+    .venv/bin/python -m bench.archive.throughput.torch_pipelining [--repeats R] [--iters N] [--json PATH]
+    .venv/bin/python -m bench.archive.throughput.torch_pipelining --quick      # tiny model, three configurations
 
 Why: bench/throughput/pipeline_throughput.py measures our 2bw against Megatron's 1F1B inside
 Megatron's training loop. This benchmark asks the matching question of PyTorch's own
@@ -436,7 +437,7 @@ def main(argv=None) -> dict:
         "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__, "model": model, "iters": iters, "warmup_iters": WARMUP_ITERS,
         "repeats": repeats,
-        "command": "python -m bench.throughput.torch_pipelining " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.archive.throughput.torch_pipelining " + " ".join(argv if argv is not None else sys.argv[1:]),
         "s_per_microbatch": median, "runs": times,
         "efficiency": {name: bound / t for name, t in median.items() if name != "pp1_m4"},
         "errors": errors,
