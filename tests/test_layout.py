@@ -5,7 +5,9 @@
   fails here, not in a newcomer's terminal.
 - No two modules of the package import each other, directly or in a circle: each
   layer imports only the ones below it. Imports inside functions count too.
-Negative controls: a made-up path is reported missing, and a made-up circle is found.
+- Every folder of the package that holds modules has a row in README's layout table.
+Negative controls: a made-up path is reported missing, a made-up circle is found, and a
+table without a folder's row names that folder.
 """
 
 import ast
@@ -62,6 +64,34 @@ def test_negative_control_a_made_up_path_is_missing(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("See `megatron_async/weight_stash.py` and run `python -m bench.pipeline_throughput`.\n")
     assert sorted(missing_paths(doc)) == ["-m bench.pipeline_throughput", "megatron_async/weight_stash.py"]
+
+
+def layout_rows(readme: str) -> set[str]:
+    """The paths the first column of README's layout table names."""
+    table = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return {path for line in table.splitlines() if line.startswith("| `")
+            for path in re.findall(r"`([^`]+)`", line.split(" | ")[0])}
+
+
+def folders_without_a_row(rows: set[str]) -> list[str]:
+    """Package folders holding modules of their own (not only subfolders) that no row names."""
+    folders = {f"{p.parent.relative_to(REPO)}/" for p in (REPO / "megatron_async").rglob("*.py")
+               if p.name != "__init__.py" and p.parent != REPO / "megatron_async"}
+    return sorted(folders - rows)
+
+
+def test_every_package_folder_has_a_layout_row():
+    assert folders_without_a_row(layout_rows((REPO / "README.md").read_text(encoding="utf-8"))) == []
+
+
+def test_negative_control_a_folder_without_a_row_is_named():
+    table = ("\n## Layout\n\n| path | what |\n| --- | --- |\n"
+             "| `megatron_async/stash/` | the weight stash |\n\n## Next\n| `megatron_async/pipeline/` | x |\n")
+    rows = layout_rows(table)
+    assert rows == {"megatron_async/stash/"}
+    missing = folders_without_a_row(rows)
+    assert "megatron_async/pipeline/" in missing and "megatron_async/megatron_lm/export/" in missing
+    assert "megatron_async/stash/" not in missing and "megatron_async/megatron_lm/" not in missing
 
 
 def import_graph(root: Path, package: str) -> dict[str, set[str]]:

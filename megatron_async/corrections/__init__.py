@@ -1,1 +1,1 @@
-"""Delay corrections (EF, DC-ASGD, prediction, Nesterov) and the simulated delay they are measured against."""
+"""Delay corrections (EF, DC-ASGD, prediction, Nesterov) of the one-step-delayed update, around any Megatron optimizer."""
