@@ -152,3 +152,13 @@ def test_negative_control_test_support_in_the_wheel_is_flagged(wheel):
     found = checkout_imports(sources)
     assert [f.split(" ", 1)[1] for f in found] == ["megatron_async.testing.parallel", "tests.support.tiny_gpt",
                                                   "tests.support.step_end_entry"], found
+
+
+def test_readme_names_the_extras_make_setup_installs():
+    """README's `make setup` sentence gives the extras the Makefile's install line installs."""
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    installed = re.search(r"pip install [^\n]*-e '\.\[([\w,]+)\]'", makefile)
+    said = re.search(r"`make setup` creates `\.venv` and installs `-e \.\[([\w,]+)\]`", readme)
+    assert installed and said, (installed, said)
+    assert set(said.group(1).split(",")) == set(installed.group(1).split(",")), (said.group(1), installed.group(1))
