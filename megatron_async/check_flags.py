@@ -4,8 +4,10 @@
 
 Runs what the launcher runs first, Megatron's argument parser and `validate_args`
 with the plugin installed (our flags and refusals, the data checks), with
---cpu-flags also the model's TransformerConfig (whose checks include the pipeline
-split), under WORLD_SIZE=N, and prints `ok` or the one-line refusal
+--cpu-flags also what Megatron builds before training and checks there, the model's
+TransformerConfig (whose checks include the pipeline split), the optimizer's and the
+learning-rate scheduler's (megatron_lm/adapter/setup_checks.py), under WORLD_SIZE=N,
+and prints `ok` or the one-line refusal
 (exit 2). No process group is created and no model is built, so it runs on a login
 node or in CI for a cluster-sized command line (examples/slurm dry runs).
 Where CUDA is absent the CPU emulation answers Megatron's device queries; the
@@ -23,22 +25,23 @@ import sys
 
 def parse(argv: list[str], world: int, cpu_flags: bool = False):
     """Megatron's parsed and validated args for `argv` (our hooks run inside validation);
-    raises FlagError (ours, and Megatron's own checks in validate_args), SystemExit (argparse)
-    or, with cpu_flags, the model configuration's own error on a refusal."""
+    raises FlagError (ours, and Megatron's own checks in validate_args and, with cpu_flags,
+    in the configurations it builds before training) or SystemExit (argparse)."""
     from megatron.training import arguments
 
-    from megatron_async.launch import with_cpu_flags
+    from megatron_async.launch import GPT_PROG, with_cpu_flags
+    from megatron_async.megatron_lm.adapter.setup_checks import for_another_machine
 
     os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0")
-    sys.argv = ["megatron_async.megatron_lm.adapter.gpt", *(with_cpu_flags(list(argv)) if cpu_flags else argv)]
+    sys.argv = [GPT_PROG, *(with_cpu_flags(list(argv)) if cpu_flags else argv)]
     # parse_and_validate_args without its last step (building the tokenizer and the
-    # global state): the tokenizer of a cluster job may not be on this machine
-    args = arguments.validate_args(arguments.parse_args(), {"tokenizer_type": "NullTokenizer"})
-    if cpu_flags:  # a command line for this machine: the model's configuration too, as the model
-        # provider builds it (no model), whose checks include an uneven pipeline split that does
-        # not add up; a cluster's command line may ask for kernels (TE's) this machine lacks
-        arguments.core_transformer_config_from_args(args)
-    return args
+    # global state): the tokenizer of a cluster job may not be on this machine. With
+    # cpu_flags, a command line for this machine: the hooked validation builds the model's
+    # and the training's configurations too (setup_checks.py), whose checks include an uneven
+    # pipeline split that does not add up; a cluster's command line may ask for kernels
+    # (TE's) this machine lacks, so there they are skipped
+    with contextlib.nullcontext() if cpu_flags else for_another_machine():
+        return arguments.validate_args(arguments.parse_args(), {"tokenizer_type": "NullTokenizer"})
 
 
 def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
@@ -57,7 +60,8 @@ def check(argv: list[str], world: int, cpu_flags: bool = False) -> dict:
         return {"refused": True, "error": str(err), "by": by}
     except SystemExit:  # argparse: unknown flag, or a value outside the flag's choices
         lines = [line for line in stderr.getvalue().splitlines() if "error:" in line]
-        return {"refused": True, "error": lines[-1] if lines else stderr.getvalue(), "by": "argparse"}
+        error = lines[-1].split(": error: ", 1)[-1] if lines else stderr.getvalue()  # without argparse's prog
+        return {"refused": True, "error": error, "by": "argparse"}
     except Exception as err:  # noqa: BLE001 - Megatron's checks outside validate_args; report their text
         import traceback
 

@@ -87,11 +87,16 @@ def _run_and_finish(script: str, rest: list[str]) -> int:
     return 0
 
 
+# The program Megatron's parser names in its errors and --help (argparse's prog: sys.argv[0]) for
+# the plugin's GPT entry; a training script's run keeps the script's own name.
+GPT_PROG = "megatron-async"
+
+
 def _run(script: str, rest: list[str]) -> None:
     if script == "--gpt":
         from megatron_async.megatron_lm.adapter import gpt
 
-        sys.argv = ["megatron_async.megatron_lm.adapter.gpt", *rest]
+        sys.argv = [GPT_PROG, *rest]
         gpt.main()
     else:
         sys.argv = [script, *rest]

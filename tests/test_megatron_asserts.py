@@ -1,11 +1,14 @@
 """Megatron's own argument checks reach the user as one line naming the flag typed, exit 2.
 
 Megatron's validate_args asserts on values it derived (eval_global_batch_size for
---global-batch-size), some without a message, as a traceback on every rank. Each case
-goes through Megatron's parser and validate_args with the plugin (tests/support/refusals.py,
-one process for all): the frequent checks name the user's flags and the fix, and the fix
-they name is accepted (the negative control); any other check gives Megatron's message
-in one line. Through the launcher a rank exits 2 with that line last, with no traceback,
+--global-batch-size), some without a message, as a traceback on every rank; so do the
+configurations it builds once the model or its process groups exist (TransformerConfig,
+the optimizer's and DDP's, the learning-rate scheduler), which the plugin builds during
+validation. Each case goes through Megatron's parser and validate_args with the plugin
+(tests/support/refusals.py, one process for all): the frequent checks name the user's
+flags and the fix, and the fix they name is accepted (the negative control); any other
+check gives Megatron's message in one line, each argument it names written as its flag.
+Through the launcher a rank exits 2 with that line last, with no traceback, no usage
 and no argument dump before a refusal.
 """
 
@@ -19,6 +22,9 @@ from tests.support.refusals import check_in_one_process
 from tests.support.warm_launch import warm_python
 
 LAYERS = _without(BASE, "--num-layers")
+HEADS = _without(BASE, "--hidden-size", "--num-attention-heads")
+ITERS = _without(BASE, "--train-iters")
+LR = _without(BASE, "--lr")
 BATCH = _without(BASE, "--micro-batch-size", "--global-batch-size")
 PP4 = ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "2bw"]
 LAST_OF_5_ON_2, LAST_OF_10_ON_4 = uneven_split(5, 2)[0], uneven_split(10, 4)[0]
@@ -57,6 +63,31 @@ REFUSED = {
                                            ["--num-experts 3", "--expert-model-parallel-size 2"], "parallel_size"),
     "expert parallelism without experts": (2, BASE + ["--expert-model-parallel-size", "2"],
                                            ["--expert-model-parallel-size 2 needs --num-experts"], "non None"),
+    # checks Megatron makes only where it builds its configurations, run during validation
+    # (megatron_lm/adapter/setup_checks.py): the model's TransformerConfig ...
+    "heads over tensor-parallel ranks": (
+        2, HEADS + ["--hidden-size", "48", "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"],
+        ["--num-attention-heads 3 is not a multiple of --tensor-model-parallel-size 2"], "num_attention_heads"),
+    "full recompute without a method": (1, BASE + ["--recompute-granularity", "full"],
+                                        ["--recompute-granularity full needs --recompute-method"], "recompute_method"),
+    # ... and the learning-rate scheduler
+    "no training iterations": (1, ITERS + ["--train-iters", "0"], ["--train-iters 0", "--skip-train"],
+                               "either train-iters"),
+    "negative learning rates": (1, LR + ["--lr=-1e-3", "--min-lr=-2e-3"],
+                                ["--lr -0.001 and --min-lr -0.002: a learning rate must be >= 0"], "assert"),
+    "negative learning rate above the minimum": (1, LR + ["--lr=-1e-3", "--min-lr", "0"],
+                                                 ["--lr -0.001: a learning rate must be >= 0"], "above"),
+    "negative minimum learning rate": (1, BASE + ["--min-lr=-2e-3"], ["--min-lr -0.002: a learning rate must be >= 0"],
+                                       "assert"),
+    "warm-up as long as the decay": (
+        1, BASE + ["--lr-warmup-iters", "5"], ["--lr-warmup-iters 5", "--train-iters 2 (the default --lr-decay-iters)"],
+        "assert"),
+    "no decay steps": (1, BASE + ["--lr-decay-iters", "0"], ["--lr-decay-iters 0"], "assert"),
+    "warm-up start above the learning rate": (1, BASE + ["--lr-warmup-init", "1"],
+                                              ["--lr-warmup-init 1.0 is above --lr 0.001"], "assert"),
+    "decreasing weight decay": (1, BASE + ["--start-weight-decay", "0.1", "--end-weight-decay", "0.01",
+                                           "--weight-decay-incr-style", "linear"],
+                                ["--start-weight-decay 0.1 and --end-weight-decay 0.01"], "assert"),
     # not mapped: Megatron's message (or a bare assert's statement) in one line, with where it failed
     "unmapped check": (1, BASE + ["--lr-decay-samples", "100"],
                        ["Megatron's argument validation refused this command line: expected iteration-based learning "
@@ -66,6 +97,16 @@ REFUSED = {
                              ["Megatron's argument validation refused this command line: assert "
                               "args.save_retain_interval % args.save_interval == 0 (megatron/training/arguments.py:"],
                              None),
+    # each argument the message names written as the flag the user types (--ddp-num-buckets: num_buckets)
+    "unmapped model configuration check": (
+        1, BASE + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+        ["Megatron's model configuration (TransformerConfig) refused this command line: When using "
+         "--recompute-granularity: full --recompute-num-layers must be between", "(megatron/core/transformer/"
+         "transformer_config.py:"], "recompute_num_layers"),
+    "unmapped DDP configuration check": (
+        1, BASE + ["--ddp-num-buckets", "2", "--ddp-bucket-size", "1000"],
+        ["Megatron's training configuration (optimizer, DDP, checkpoints) refused this command line: Cannot specify "
+         "both --ddp-num-buckets and --ddp-bucket-size (megatron/core/distributed/"], "num_buckets"),
 }
 ACCEPTED = {  # what the lines above advise
     "--global-batch-size 32": (1, BATCH + ["--micro-batch-size", "8", "--global-batch-size", "32"]),
@@ -75,6 +116,15 @@ ACCEPTED = {  # what the lines above advise
         "--num-layers", "5", "--decoder-last-pipeline-num-layers", str(LAST_OF_5_ON_2)]),
     "--decoder-last-pipeline-num-layers at PP=4": (4, LAYERS + PP4 + [
         "--num-layers", "10", "--decoder-last-pipeline-num-layers", str(LAST_OF_10_ON_4)]),
+    "heads divisible by --tensor-model-parallel-size": (2, HEADS + ["--hidden-size", "48", "--num-attention-heads", "4",
+                                                                    "--tensor-model-parallel-size", "2"]),
+    "--recompute-method and --recompute-num-layers": (1, BASE + ["--recompute-granularity", "full",
+                                                                 "--recompute-method", "uniform",
+                                                                 "--recompute-num-layers", "1"]),
+    "--train-samples instead of --train-iters": (1, ITERS + ["--train-samples", "100"]),
+    "--skip-train without --train-iters": (1, ITERS + ["--skip-train"]),
+    "--lr 0.001 --min-lr 0": (1, LR + ["--lr", "1e-3", "--min-lr", "0"]),
+    "a warm-up that ends before the decay": (1, BASE + ["--lr-warmup-iters", "1"]),
 }
 
 
@@ -124,6 +174,9 @@ def _launch_one_rank(rank, argv):
     (1, ["--micro-batch-size", "8", "--global-batch-size", "36"], "--global-batch-size 36"),  # Megatron's assert
     # ours, after Megatron's validation, on the rank that prints Megatron's argument dump
     (0, ["--micro-batch-size", "2", "--global-batch-size", "8", "--log-params-norm"], "--log-params-norm"),
+    # argparse's, under the program run (the GPT entry: megatron-async), without its usage
+    (0, ["--micro-batch-size", "2", "--global-batch-size", "8", "--no-such-flag"],
+     "megatron-async: error: unrecognized arguments: --no-such-flag"),
 ])
 def test_a_rank_exits_2_with_our_line_last_and_no_traceback_or_argument_dump(rank, extra, needle):
     proc = _launch_one_rank(rank, BATCH + TWO_BW + extra)
@@ -132,3 +185,4 @@ def test_a_rank_exits_2_with_our_line_last_and_no_traceback_or_argument_dump(ran
     ours = [line for line in lines if line.startswith("megatron-async: error:")]
     assert len(ours) == 1 and needle in ours[0] and lines[-1] == ours[0], proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout and "------------------------ arguments" not in proc.stdout, proc.stdout
+    assert "usage:" not in proc.stdout and "adapter.gpt" not in proc.stdout, proc.stdout[-3000:]

@@ -10,6 +10,7 @@ and exit 2 on every rank under torchrun is in tests/test_megatron_loop.py and
 tests/test_data_checks.py.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -147,6 +148,13 @@ CASES = {
 }
 REFUSED_BY = {"unknown delay correction": "argparse", "unknown optimizer": "argparse",
               "exit signal that is no signal": "argparse"}  # else our checks
+# Transformer Engine's layers: refused where TE does not import (this machine), never where it does
+TE_LAYERS = ["--transformer-impl", "transformer_engine"]
+TE_IMPORTS = importlib.util.find_spec("transformer_engine") is not None
+if not TE_IMPORTS:
+    CASES["Transformer Engine's layers without Transformer Engine"] = (
+        1, BASE + TE_LAYERS, "install the transformer-engine package (with its PyTorch extension), or pass "
+                             "--transformer-impl local")
 ACCEPTED = {
     "2bw": (2, BASE + TWO_BW),
     "2bw, muon + EF, distributed optimizer": (4, BASE + TWO_BW + ["--optimizer", "muon", "--delay-correction", "ef",
@@ -189,6 +197,8 @@ ACCEPTED = {
     "lion": (1, BASE + ["--optimizer", "lion"]),
     "soap": (1, BASE + ["--optimizer", "soap"]),
 }
+if TE_IMPORTS:
+    ACCEPTED["Transformer Engine's layers where it is installed"] = (1, BASE + TE_LAYERS)
 
 
 def _data_cases(small_corpus, tmp_path):

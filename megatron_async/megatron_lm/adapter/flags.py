@@ -59,7 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _escape_percent_in_help(parser)
     _mark_defaults_2bw_replaces(parser)
     _exit_signal_by_name_or_number(parser)
+    _errors_in_one_line(parser)
     return parser
+
+
+def _errors_in_one_line(parser: argparse.ArgumentParser) -> None:
+    """argparse prints its usage before an error (an unknown flag, a value outside a flag's
+    choices): Megatron's runs to some thousand lines on every rank and buries the line that
+    says what is wrong. Only that line, under the program the user ran (argparse's prog), exit 2."""
+
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message} (--help lists every flag)\n")
+
+    parser.error = error
 
 
 def _exit_signal_by_name_or_number(parser: argparse.ArgumentParser) -> None:

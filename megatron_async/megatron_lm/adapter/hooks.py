@@ -20,7 +20,7 @@ import importlib
 import torch
 
 from megatron_async import patch_table
-from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_run, runtime
+from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_run, runtime, setup_checks
 from megatron_async.patch_table import Patch as Hook
 from megatron_async.patch_table import Scope
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
@@ -36,14 +36,17 @@ class MissingHookError(RuntimeError):
 def _add_megatron_arguments(original):
     @functools.wraps(original)
     def hooked(parser):
-        return flags.add_arguments(original(parser))
+        parser = flags.add_arguments(original(parser))
+        megatron_asserts.remember_flags(parser)  # Megatron's messages name arguments; ours name their flags
+        return parser
 
     return hooked
 
 
 def _validate_args(original):
     """Megatron's failed checks as our one line naming the user's flag (megatron_asserts.py),
-    and its argument dump printed only once our checks pass, so a refusal comes last."""
+    those it makes only while setting training up included (setup_checks.py), and its
+    argument dump printed only once our checks pass, so a refusal comes last."""
 
     @functools.wraps(original)
     def hooked(args, *rest, **kwargs):
@@ -55,6 +58,7 @@ def _validate_args(original):
                 result = original(args, *rest, **kwargs)
             megatron_asserts.check_train_batch(args)
             flags.validate(args)
+            setup_checks.check_setup(args)
         finally:
             _held_dumps = None
         for dump in held:
