@@ -10,7 +10,7 @@ import os
 
 import pytest
 from test_megatron_loop import RESUME, _run
-from test_refusals import BASE
+from test_refusals import BASE, _without
 
 from megatron_async.megatron_lm.safety.checkpoint_guard import resume_problem, unwritable_save
 from tests.support.refusals import check_in_one_process
@@ -80,7 +80,9 @@ def test_refused_through_megatrons_validation(tmp_path):
         "no tracker": (BASE + ["--load", str(untracked), "--save", str(untracked), *every], "--ckpt-step 10"),
         "unwritable save": (BASE + ["--save", "/proc/x", *every], "--save /proc/x"),
         "no eval interval": (args, "--eval-interval is required"),
-        "resume": (BASE + ["--load", str(run), "--save", str(run), *every], None),  # the negative control
+        # the negative control, training on past iteration 20 (a --train-iters below it is refused, below)
+        "resume": (_without(BASE, "--train-iters") + ["--train-iters", "30", "--load", str(run), "--save", str(run),
+                                                      *every], None),
         "first job": (BASE + ["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new"), *every], None),
     }
     found = check_in_one_process({k: {"world": 1, "argv": a} for k, (a, _) in cases.items()}, tmp_path)
@@ -436,13 +438,33 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
         assert proc.returncode != 0 and failed == ["0"], proc.stdout[-4000:]
 
 
-def test_a_resume_that_will_train_nothing_says_so(tmp_path, capsys):
+def test_a_resume_that_will_train_nothing_says_so_or_is_refused(tmp_path, capsys):
+    """At the tracker's iteration the run is finished: Megatron evaluates and exits 0, said up
+    front. Below it, Megatron would train nothing with a schedule that ended before the
+    checkpoint: refused in one line naming --train-iters and the ways on; --skip-train, which
+    only evaluates, and --finetune, which starts at iteration 0, are not. Beyond it the run
+    trains, without a word."""
     from types import SimpleNamespace
 
-    from megatron_async.megatron_lm.safety.resume_checks import _say_when_nothing_will_train
+    from megatron_async.megatron_lm.safety.failures import FlagError
+    from megatron_async.megatron_lm.safety.resume_checks import _check_iterations_left_to_train
 
-    root = _checkpoints(tmp_path / "ckpt", [8], tracker=8)
-    for iters, said in ((8, True), (4, True), (12, False)):
-        _say_when_nothing_will_train(SimpleNamespace(load=str(root), ckpt_step=None, train_iters=iters))
+    root = _checkpoints(tmp_path / "ckpt", [15], tracker=15)
+
+    def args(iters, skip_train=False, finetune=False):
+        return SimpleNamespace(load=str(root), ckpt_step=None, train_iters=iters, skip_train=skip_train,
+                               finetune=finetune)
+
+    for iters, said in ((15, True), (20, False)):
+        _check_iterations_left_to_train(args(iters))
         out = capsys.readouterr().out
         assert ("nothing will be trained" in out) is said, (iters, out)
+    with pytest.raises(FlagError) as refused:
+        _check_iterations_left_to_train(args(12))
+    line = str(refused.value)
+    assert "--train-iters 12 is below iteration 15" in line and "\n" not in line, line
+    assert all(way in line for way in ("raise --train-iters above 15", "--ckpt-step", "--skip-train")), line
+    assert "nothing will be trained" not in capsys.readouterr().out
+    for only_evaluates_or_starts_at_0 in (args(12, skip_train=True), args(12, finetune=True)):
+        _check_iterations_left_to_train(only_evaluates_or_starts_at_0)
+        assert capsys.readouterr().out == ""

@@ -12,11 +12,14 @@ dump, which still follows.
 import json
 
 from test_checkpoint_guard import _checkpoints
-from test_refusals import BASE
+from test_refusals import BASE, _without
 
 from megatron_async.megatron_lm.safety.checkpoint_guard import fresh_start_notice, resume_problem
 from tests.support.refusals import check_in_one_process
 from tests.support.warm_launch import warm_python
+
+# training on past the checkpoints below (a --train-iters below them is refused: test_checkpoint_guard.py)
+BASE = _without(BASE, "--train-iters") + ["--train-iters", "30"]
 
 
 def test_a_file_or_one_iterations_folder_is_refused_naming_the_directory(tmp_path):

@@ -69,7 +69,7 @@ def check_checkpoints(args: argparse.Namespace, stash: bool) -> None:
     _check_marker_intact(args, held)
     verify_shared_files(args, held)  # before anything below reads the checkpoint's .metadata
     _check_tied_embeddings_match(args)
-    _say_when_nothing_will_train(args)
+    _check_iterations_left_to_train(args)
     _check_marker_present(args, held)
     if not held.get("weight_stash"):
         return
@@ -114,17 +114,28 @@ def _tying(untied: bool) -> str:
             else "tied input and output embeddings (Megatron's default, no --untie-embeddings-and-output-weights)")
 
 
-def _say_when_nothing_will_train(args: argparse.Namespace) -> None:
-    """--train-iters at or below the iteration the run resumes from: Megatron loads, evaluates
-    and exits 0 having trained nothing, without a word; say it (rank 0), once, up front."""
+def _check_iterations_left_to_train(args: argparse.Namespace) -> None:
+    """--train-iters at the iteration the run resumes from, a finished run (a requeue after its
+    last save, a load-time measurement): Megatron loads, evaluates and exits 0 having trained
+    nothing, without a word; say it (rank 0), once, up front. Below it, Megatron would train
+    nothing too, with a learning-rate schedule that ended before the checkpoint: its schedule
+    check refuses that after the model is built, and with that check overridden it evaluates
+    and exits 0 (or fails building a data sampler with no samples left); refused here in one
+    line instead. --skip-train only evaluates, as asked; --finetune starts at iteration 0."""
     directory = resume_directory(args)
     match = re.search(r"iter_(\d{7})$", os.path.normpath(directory)) if directory else None
-    if match is None or args.train_iters is None or args.train_iters > int(match.group(1)):
+    if (match is None or args.train_iters is None or args.skip_train or getattr(args, "finetune", False)
+            or args.train_iters > int(match.group(1))):
         return
+    resumed = int(match.group(1))
+    _require(args.train_iters == resumed,
+             f"--train-iters {args.train_iters} is below iteration {resumed}, where --load {args.load} resumes: "
+             f"nothing would be trained; raise --train-iters above {resumed} to go on, resume an earlier checkpoint "
+             "with --ckpt-step, or pass --skip-train to only evaluate this one")
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"megatron-async: --train-iters {args.train_iters} is not beyond iteration {int(match.group(1))}, "
-              f"where --load {args.load} resumes: nothing will be trained (Megatron evaluates and exits); raise "
-              "--train-iters to go on", flush=True)
+        print(f"megatron-async: --train-iters {args.train_iters} is iteration {resumed}, where --load {args.load} "
+              "resumes: nothing will be trained (Megatron evaluates and exits); raise --train-iters to go on",
+              flush=True)
 
 
 def _check_marker_intact(args: argparse.Namespace, held: dict) -> None:
