@@ -10,6 +10,13 @@ runtime never has to infer which stashed weights belong to which microbatch:
 - `OptimizerStep(step)` applies the gradients accumulated by the stage's backwards
   since its previous step; step `t` turns version `t` into version `t + 1`.
 
+A combined step runs one microbatch's forward beside another's backward
+(Megatron's combined 1F1B, `--overlap-moe-expert-parallel-comm`), so each pass's expert
+all-to-all can hide behind the other's compute: `ForwardBackward(forward, backward)`
+holds the two passes, each with its own microbatch and weight version. It needs both
+passes' receives before it and produces both passes' sends after it: neither tensor
+leaves the stage before the whole step ends.
+
 Zero-bubble schedules split a backward in two: `BackwardInput` computes the
 gradient the previous stage waits for, `BackwardWeight` the weight gradients, which
 can wait to fill a bubble; `Backward` is both at once.
@@ -108,6 +115,18 @@ class BackwardWeight(_Repr):
 
 
 @dataclass(frozen=True, repr=False)
+class ForwardBackward(_Repr):
+    """One combined step: `forward` of one microbatch beside `backward` of another. The
+    backward's own forward ran before the step, so the two passes do not depend on
+    each other and can overlap; both results exist only when the step ends."""
+    forward: Forward
+    backward: Backward
+
+    def __str__(self) -> str:
+        return f"[{self.forward}+{self.backward}]"
+
+
+@dataclass(frozen=True, repr=False)
 class OptimizerStep(_Repr):
     step: int  # applies to version `step`, produces version `step + 1`
 
@@ -159,12 +178,12 @@ class RecvGrad(_Repr):
         return f"RG{self.microbatch}{_c(self.chunk)}<{self.peer}"
 
 
-Compute = Union[Forward, Backward, BackwardInput, BackwardWeight, OptimizerStep]
+Compute = Union[Forward, Backward, BackwardInput, BackwardWeight, ForwardBackward, OptimizerStep]
 Comm = Union[SendActivation, RecvActivation, SendGrad, RecvGrad]
 Action = Union[Compute, Comm]
 Schedule = Sequence[Sequence[Action]]
 
-COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight, OptimizerStep)
+COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight, ForwardBackward, OptimizerStep)
 PASS_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)  # compute with a microbatch and version
 COMM_TYPES = (SendActivation, RecvActivation, SendGrad, RecvGrad)
 SEND_TYPES = (SendActivation, SendGrad)
@@ -247,6 +266,14 @@ def tensor_key(action: Comm, stage: int, placement: Placement) -> tuple:
     if isinstance(action, SendGrad):
         return "grad", piece, action.microbatch
     return "grad", piece + 1, action.microbatch
+
+
+def passes(action: Action) -> tuple:
+    """The passes (PASS_TYPES) a compute action runs: itself, a combined step's forward
+    and backward, none for an optimizer step or a transfer."""
+    if isinstance(action, ForwardBackward):
+        return action.forward, action.backward
+    return (action,) if isinstance(action, PASS_TYPES) else ()
 
 
 def is_comm(action: Action) -> bool:

@@ -35,6 +35,7 @@ BUILTIN_SCHEDULES = {
         description="Megatron-Core interleaved 1F1B over virtual pipeline stages",
         forward_backward_func=_MCORE + "forward_backward_pipelining_with_interleaving",
         generator=_GEN + "interleaved_1f1b",
+        ep_overlap_generator=_GEN + "interleaved_1f1b_paired",
         requires_pipeline=True,
         megatron_layout=VIRTUAL_PIPELINE,
     ),
@@ -46,6 +47,8 @@ BUILTIN_SCHEDULES = {
     "2bw": dict(
         description="PipeDream-2BW: 1F1B without flush, two weight versions, constant one-step delay",
         generator=_GEN + "two_bw",
+        # simulated and validated; the runtime does not run combined steps, and check_2bw refuses the flag
+        ep_overlap_generator=_GEN + "two_bw_paired",
         requires_pipeline=True,
         asynchronous=True,
         **TWO_BW_RUNTIME,

@@ -3,6 +3,8 @@
 One row per stage, stage 0 on top. Each box is one forward (blue) or backward
 (orange) with its microbatch number and the weight version it uses; the fill shade
 alternates with the version, so the switch to new weights is visible at a glance.
+A combined step (a forward beside another microbatch's backward) is purple, with
+both microbatches ("forward+backward") and the forward's version.
 Optimizer steps are green (a line when they cost nothing), waits in a step
 collective grey.
 """
@@ -18,6 +20,7 @@ COLOURS = {
     "backward": ("#ffbf79", "#f58518"),
     "backward_input": ("#ffbf79", "#f58518"),  # the input half of a split backward, same colour
     "backward_weight": ("#b5e3a1", "#72b7b2"),
+    "forward_backward": ("#c5b0d5", "#9467bd"),
     "optimizer": ("#54a24b", "#54a24b"),
     "sync": ("#d0d0d0", "#d0d0d0"),
 }
@@ -44,7 +47,8 @@ def plot_gantt(result: SimResult, path: str, title: Optional[str] = None) -> str
         ax.add_patch(Rectangle((e.start, y - 0.4), dur, 0.8, facecolor=shade, edgecolor="black", lw=0.5,
                                hatch="//" if e.kind == "sync" else None))
         if e.microbatch is not None and dur * unit > 0.12:
-            label = f"{e.microbatch}\nv{e.version}" if dur * unit > 0.22 else f"{e.microbatch}"
+            mbs = f"{e.microbatch}+{e.paired[0]}" if e.paired else f"{e.microbatch}"
+            label = f"{mbs}\nv{e.version}" if dur * unit > 0.22 else mbs
             ax.text(e.start + dur / 2, y, label, ha="center", va="center", fontsize=7, linespacing=0.9)
         elif e.kind == "optimizer" and dur * unit > 0.12:
             ax.text(e.start + dur / 2, y, f"s{e.step}", ha="center", va="center", fontsize=6, color="white")
@@ -60,6 +64,8 @@ def plot_gantt(result: SimResult, path: str, title: Optional[str] = None) -> str
                Patch(facecolor=COLOURS["forward"][1], edgecolor="black", lw=0.5, label="darker: odd version"),
                *([Patch(facecolor=COLOURS["backward_weight"][0], edgecolor="black", lw=0.5,
                         label="weight gradient")] if any(e.kind == "backward_weight" for e in result.events) else []),
+               *([Patch(facecolor=COLOURS["forward_backward"][0], edgecolor="black", lw=0.5,
+                        label="combined step")] if any(e.kind == "forward_backward" for e in result.events) else []),
                Patch(facecolor=COLOURS["optimizer"][0], label="optimizer step")]
     if any(e.kind == "sync" for e in result.events):
         handles.append(Patch(facecolor=COLOURS["sync"][0], hatch="//", label="wait in step collective"))

@@ -21,7 +21,7 @@ validator. The simulator models sends that way for every schedule.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from megatron_async.schedules.actions import (
     MATCHING,
@@ -31,6 +31,7 @@ from megatron_async.schedules.actions import (
     BackwardInput,
     Compute,
     Forward,
+    ForwardBackward,
     Placement,
     RecvActivation,
     RecvGrad,
@@ -61,13 +62,32 @@ def one_f_one_b(microbatches: Sequence[int], warmup: int) -> list[tuple[str, int
     return order
 
 
+def one_f_one_b_paired(forwards: Sequence, backwards: Sequence, warmup: int,
+                       microbatch: Callable[[object], int] = lambda item: item) -> list[tuple[str, object]]:
+    """1F1B order over `forwards` and `backwards` (the same passes' items, each list in its
+    pass order) with each steady-state forward and backward as one combined step
+    ("FB", (forward item, backward item)): `warmup` forwards alone, the combined steps,
+    then the remaining backwards alone. A steady slot whose two passes are of the same
+    microbatch (`microbatch(item)`; no warm-up) stays two passes: the backward needs the
+    forward's result."""
+    fs, bs = list(forwards), list(backwards)
+    warmup = min(warmup, len(fs))
+    order = [("F", f) for f in fs[:warmup]]
+    for f, b in zip(fs[warmup:], bs):
+        order += [("F", f), ("B", b)] if microbatch(f) == microbatch(b) else [("FB", (f, b))]
+    order += [("B", b) for b in bs[len(fs) - warmup:]]
+    return order
+
+
 def _neighbour(placement: Placement, stage: int, chunk: int, step: int):
     """(stage, chunk) of the piece `step` away in model order, None past either end."""
     return placement.holder(placement.piece(stage, chunk) + step)
 
 
 def _needs(action: Compute, stage: int, placement: Placement) -> list[Action]:
-    """Receives that must precede `action` at `stage`."""
+    """Receives that must precede `action` at `stage` (a combined step: both passes')."""
+    if isinstance(action, ForwardBackward):
+        return _needs(action.forward, stage, placement) + _needs(action.backward, stage, placement)
     if isinstance(action, Forward):
         prev = _neighbour(placement, stage, action.chunk, -1)
         if prev is not None and prev[0] != stage:
@@ -80,7 +100,9 @@ def _needs(action: Compute, stage: int, placement: Placement) -> list[Action]:
 
 
 def _produces(action: Compute, stage: int, placement: Placement) -> list[Action]:
-    """Sends that follow `action` at `stage`."""
+    """Sends that follow `action` at `stage` (a combined step: both passes', after it ends)."""
+    if isinstance(action, ForwardBackward):
+        return _produces(action.forward, stage, placement) + _produces(action.backward, stage, placement)
     if isinstance(action, Forward):
         nxt = _neighbour(placement, stage, action.chunk, +1)
         if nxt is not None and nxt[0] != stage:

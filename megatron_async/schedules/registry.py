@@ -27,6 +27,10 @@ class ScheduleSpec:
     description: str = ""
     forward_backward_func: FuncRef = None  # Megatron signature: (*, forward_step_func, data_iterator, model, ...)
     generator: FuncRef = None  # (num_stages, num_microbatches, num_batches) -> per-stage action lists
+    # the same, for what the schedule runs with Megatron's --overlap-moe-expert-parallel-comm:
+    # combined forward-backward steps (actions.ForwardBackward); a runtime that cannot run them
+    # refuses the flag in its flag_checks
+    ep_overlap_generator: FuncRef = None
     runtime: FuncRef = None  # a persistent pipeline runner class (asynchronous schedules such as 2bw)
     requires_pipeline: bool = False  # True: only meaningful with PP > 1
     asynchronous: bool = False  # True: weights are updated without a pipeline flush (delayed gradients)
@@ -140,10 +144,15 @@ def is_runnable(name: str) -> bool:
     return spec.forward_backward_func is not None or spec.run is not None
 
 
-def get_schedule_generator(name: str) -> Callable:
-    """The action-list generator of schedule `name` (for validator, simulator, executor)."""
+def get_schedule_generator(name: str, ep_overlap: bool = False) -> Callable:
+    """The action-list generator of schedule `name` (for validator, simulator, executor); with
+    `ep_overlap`, the one for Megatron's --overlap-moe-expert-parallel-comm."""
     spec = get_schedule(name)
-    gen = _resolve(spec.generator)
+    gen = _resolve(spec.ep_overlap_generator if ep_overlap else spec.generator)
+    if gen is None and ep_overlap:
+        paired = [n for n in available_schedules() if _REGISTRY[n].ep_overlap_generator is not None]
+        raise ValueError(f"pipeline schedule {name!r} has no action lists with --overlap-moe-expert-parallel-comm "
+                         f"(combined forward-backward steps); these have: {', '.join(paired) or 'none'}")
     if gen is None:
         raise ValueError(f"pipeline schedule {name!r} has no action-list generator")
     return gen

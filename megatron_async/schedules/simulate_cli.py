@@ -1,6 +1,8 @@
 """megatron-async-simulate: validate and time a pipeline schedule, print its costs.
 
 Example: megatron-async-simulate --schedule 2bw --pp 4 --microbatches 4 --batches 3 --plot 2bw.png
+With --overlap-moe-expert-parallel-comm it simulates the lists the schedule runs with
+Megatron's flag of that name (combined forward-backward steps, each costing --pair).
 Costs are in arbitrary time units; --fwd/--bwd/--opt take one number or one per
 stage, comma-separated (imbalanced stages). On schedules with two pieces per stage
 (interleaved-1f1b, zbv) a cost is per pass of one piece.
@@ -55,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="input-gradient half of a split backward (zb-h1, zbv; default bwd / 2)")
     ap.add_argument("--bwd-weight", type=_costs, default=None,
                     help="weight-gradient half of a split backward (default bwd / 2)")
+    ap.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                    help="the lists the schedule runs with Megatron's flag of that name: combined "
+                         "forward-backward steps (2bw, interleaved-1f1b)")
+    ap.add_argument("--pair", type=_costs, default=None,
+                    help="cost of a combined forward-backward step (or one per stage; default fwd + bwd, "
+                         "nothing hidden)")
     ap.add_argument("--opt", type=_costs, default=0.0, help="optimizer step cost (or one per stage)")
     ap.add_argument("--p2p", type=float, default=0.0, help="point-to-point latency")
     ap.add_argument("--sync-at-step", action="store_true",
@@ -80,9 +88,11 @@ def _table(args, summary: dict) -> str:
 
 def _flag_of(message: str) -> str:
     """The command-line flag a generator or simulator error is about."""
-    for name in ("fwd", "bwd", "opt", "p2p"):
+    for name in ("fwd", "bwd", "opt", "p2p", "pair"):
         if message.startswith(name):
             return f"--{name}"
+    if "has no action lists with --overlap-moe-expert-parallel-comm" in message:
+        return "--overlap-moe-expert-parallel-comm"
     return "--microbatches" if "microbatches" in message else "arguments"
 
 
@@ -90,10 +100,14 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        schedule = get_schedule_generator(args.schedule)(args.pp, args.microbatches, args.batches)
+        spec = get_schedule(args.schedule)
+        generator = get_schedule_generator(args.schedule, args.overlap_moe_expert_parallel_comm)
+        schedule = generator(args.pp, args.microbatches, args.batches)
         result = simulate(schedule, fwd=args.fwd, bwd=args.bwd, opt=args.opt, p2p=args.p2p,
                           sync_at_step=args.sync_at_step, sync_cost=args.sync_cost,
-                          bwd_input=args.bwd_input, bwd_weight=args.bwd_weight)
+                          bwd_input=args.bwd_input, bwd_weight=args.bwd_weight, pair=args.pair,
+                          # a schedule our runtime trains: no more versions than it keeps
+                          weight_versions=spec.weight_versions if spec.run is not None else None)
     except (ValueError, ScheduleError) as err:
         ap.exit(2, f"{PROG}: error: {_flag_of(str(err))}: {err}\n")
     summary = {"schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches,

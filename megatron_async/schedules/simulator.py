@@ -15,7 +15,11 @@ halves (by default half of `bwd` each; their sum above `bwd` is the split's own
 overhead). On stages holding several pieces of the model (interleaved, ZB-V) every
 cost is per pass of one piece: the caller divides a stage's cost by its chunks.
 
-Busy time is forward + backward + optimizer compute; everything else in
+A combined step (`ForwardBackward`, a forward beside another microbatch's backward)
+costs `pair` on its stage, by default `fwd + bwd` (nothing hidden); the caller prices
+what the overlap hides. Both its sends leave when the whole step ends.
+
+Busy time is forward + backward + combined step + optimizer compute; everything else in
 [0, makespan] (waiting for data, for the collective, `sync_cost`) is bubble.
 """
 
@@ -29,10 +33,12 @@ from megatron_async.schedules.actions import (
     BackwardInput,
     BackwardWeight,
     Forward,
+    ForwardBackward,
     OptimizerStep,
     Schedule,
     is_comm,
     is_send,
+    passes,
     placement_of,
     tensor_key,
 )
@@ -44,13 +50,15 @@ Cost = Union[float, Sequence[float]]
 @dataclass(frozen=True)
 class SimEvent:
     stage: int
-    kind: str  # "forward" | "backward" | "backward_input" | "backward_weight" | "optimizer" | "sync"
+    # "forward" | "backward" | "backward_input" | "backward_weight" | "forward_backward" | "optimizer" | "sync"
+    kind: str
     start: float
     end: float
     microbatch: Optional[int] = None
     version: Optional[int] = None
     step: Optional[int] = None
     chunk: int = 0
+    paired: Optional[tuple] = None  # a combined step's backward: (microbatch, version, chunk)
 
 
 @dataclass
@@ -105,7 +113,7 @@ def _throughput(schedule: Schedule, step_ends: list[float], makespan: float, tot
         return total / makespan if makespan > 0 else float("inf")
     per_step, count = [], 0
     for a in schedule[0]:
-        if isinstance(a, (Backward, BackwardWeight)) and a.chunk == 0:
+        if any(isinstance(x, (Backward, BackwardWeight)) and x.chunk == 0 for x in passes(a)):
             count += 1
         elif isinstance(a, OptimizerStep):
             per_step.append(count)
@@ -116,11 +124,14 @@ def _throughput(schedule: Schedule, step_ends: list[float], makespan: float, tot
 
 def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0.0, p2p: float = 0.0,
              sync_at_step: bool = False, sync_cost: float = 0.0, bwd_input: Optional[Cost] = None,
-             bwd_weight: Optional[Cost] = None) -> SimResult:
-    """Time `schedule` (validated first) under the given costs; see module docstring."""
-    report = validate(schedule)
+             bwd_weight: Optional[Cost] = None, pair: Optional[Cost] = None,
+             weight_versions: Optional[int] = None) -> SimResult:
+    """Time `schedule` (validated first, with `weight_versions` if given) under the given
+    costs; see module docstring."""
+    report = validate(schedule, weight_versions=weight_versions)
     p, placement = len(schedule), placement_of(schedule)
     f, b, o = _per_stage(fwd, p, "fwd"), _per_stage(bwd, p, "bwd"), _per_stage(opt, p, "opt")
+    fb = [x + y for x, y in zip(f, b)] if pair is None else _per_stage(pair, p, "pair")
     bi = [x / 2 for x in b] if bwd_input is None else _per_stage(bwd_input, p, "bwd_input")
     bw = [x / 2 for x in b] if bwd_weight is None else _per_stage(bwd_weight, p, "bwd_weight")
     pass_cost = {Forward: ("forward", f), Backward: ("backward", b), BackwardInput: ("backward_input", bi),
@@ -143,6 +154,11 @@ def simulate(schedule: Schedule, fwd: Cost = 1.0, bwd: Cost = 2.0, opt: Cost = 0
                 kind, costs = pass_cost[type(a)]
                 dur = costs[s]
                 events.append(SimEvent(s, kind, clock[s], clock[s] + dur, a.microbatch, a.version, chunk=a.chunk))
+            elif isinstance(a, ForwardBackward):
+                dur, back = fb[s], a.backward
+                events.append(SimEvent(s, "forward_backward", clock[s], clock[s] + dur, a.forward.microbatch,
+                                       a.forward.version, chunk=a.forward.chunk,
+                                       paired=(back.microbatch, back.version, back.chunk)))
             elif isinstance(a, OptimizerStep):
                 start = clock[s]
                 if sync_at_step:
@@ -209,7 +225,11 @@ def to_chrome_trace(result: SimResult, time_unit_us: float = 1000.0) -> dict:
     trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
              for s in range(result.num_stages)]
     for e in result.events:
-        if e.microbatch is not None:
+        if e.paired is not None:
+            name = f"F{e.microbatch} v{e.version} + B{e.paired[0]} v{e.paired[1]}"
+            args = {"microbatch": e.microbatch, "version": e.version, "chunk": e.chunk,
+                    "backward": dict(zip(("microbatch", "version", "chunk"), e.paired))}
+        elif e.microbatch is not None:
             letter = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}[e.kind]
             name = f"{letter}{e.microbatch} v{e.version}" + (f" c{e.chunk}" if e.chunk else "")
             args = {"microbatch": e.microbatch, "version": e.version, "chunk": e.chunk}

@@ -1,7 +1,8 @@
 """2bw action lists produced one batch at a time, for runs of any length.
 
-The 2bw generator (gen_2bw.py) builds whole-run lists; a 100k-iteration run would
-spend minutes and gigabytes on them before its first step. But 2bw has no flush, so
+The 2bw generators (gen_2bw.py; gen_2bw_paired.py, with combined steps) build whole-run
+lists; a 100k-iteration run would spend minutes and gigabytes on them before its first
+step. But 2bw has no flush, so
 after the first batch every batch repeats the same actions with its numbers moved:
 the list of a long run is the first batch's segment, one steady segment relabelled
 for each following batch, the last batch's segment and the cool-down. This module
@@ -18,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from megatron_async.schedules.actions import Action, Backward, Forward, OptimizerStep
+from megatron_async.schedules.actions import Action, Backward, Forward, ForwardBackward, OptimizerStep
 from megatron_async.schedules.gen_2bw import two_bw, version_2bw
+from megatron_async.schedules.gen_2bw_paired import two_bw_paired
 
 TEMPLATE_BATCHES = 5  # head, three steady segments, last: enough for the pattern to settle
 
@@ -30,10 +32,15 @@ def shift(actions, batches: int, m: int) -> list[Action]:
         return list(actions)
     offset = batches * m
     moved = []
+    def move(a):
+        k = a.microbatch + offset
+        return type(a)(k, version_2bw(k, m))
+
     for a in actions:
         if isinstance(a, (Forward, Backward)):
-            k = a.microbatch + offset
-            moved.append(type(a)(k, version_2bw(k, m)))
+            moved.append(move(a))
+        elif isinstance(a, ForwardBackward):
+            moved.append(ForwardBackward(move(a.forward), move(a.backward)))
         elif isinstance(a, OptimizerStep):
             moved.append(OptimizerStep(a.step + batches))
         else:  # communication
@@ -54,11 +61,14 @@ def split_segments(actions: list[Action]) -> tuple[list[list[Action]], list[Acti
 
 class TwoBWStream:
     """The 2bw lists of a run of `batches` batches, numbered from `first_batch` (a
-    resumed run), one segment at a time; nothing is built for the whole run."""
+    resumed run), one segment at a time; nothing is built for the whole run. `paired`:
+    the lists with combined forward-backward steps (gen_2bw_paired)."""
 
-    def __init__(self, num_stages: int, microbatches: int, batches: int, first_batch: int = 0):
+    def __init__(self, num_stages: int, microbatches: int, batches: int, first_batch: int = 0,
+                 paired: bool = False):
         self.p, self.m, self.n, self.first = num_stages, microbatches, batches, first_batch
-        template = two_bw(num_stages, microbatches, min(batches, TEMPLATE_BATCHES))
+        generator = two_bw_paired if paired else two_bw
+        template = generator(num_stages, microbatches, min(batches, TEMPLATE_BATCHES))
         self._pieces = [split_segments(actions) for actions in template]
 
     def segment(self, stage: int, b: int) -> list[Action]:

@@ -9,6 +9,11 @@ and its receive complete together, matched in order per direction) and fails on 
 stuck state, so the order is deadlock-free for an executor that blocks on every
 send and receive (and hence for one that posts runs as batches; see `actions`).
 
+A combined step (`ForwardBackward`) is checked as its two passes, the backward first:
+its own forward must have ended before the step, and both passes' activations count
+as in flight during it. With `weight_versions` the validator also refuses a stage
+that needs more versions at once than the runtime keeps.
+
 Memory and staleness, per stage (definitions used in the report):
 - weight versions alive after an action: the newest version (the stage's current
   weights) plus every older version some not yet finished forward or backward of
@@ -27,11 +32,11 @@ from dataclasses import dataclass, field
 
 from megatron_async.schedules.actions import (  # ScheduleError: raised here, defined with the actions
     MATCHING,
-    PASS_TYPES,
     Backward,
     BackwardInput,
     BackwardWeight,
     Forward,
+    ForwardBackward,
     OptimizerStep,
     Placement,
     RecvActivation,
@@ -41,6 +46,7 @@ from megatron_async.schedules.actions import (  # ScheduleError: raised here, de
     SendActivation,
     SendGrad,
     is_comm,
+    passes,
     placement_of,
     tensor_key,
 )
@@ -67,6 +73,7 @@ class _StageStats:
     max_versions: int
     max_inflight: int
     delays: set
+    versions_at: tuple  # (index, action) where the stage first holds max_versions
 
 
 def _fail(stage: int, index, action, what: str):
@@ -77,8 +84,8 @@ def _fail(stage: int, index, action, what: str):
 def _last_use(actions) -> dict[int, int]:
     last = {}
     for i, a in enumerate(actions):
-        if isinstance(a, PASS_TYPES):
-            last[a.version] = i
+        for pass_ in passes(a):
+            last[pass_.version] = i
     return last
 
 
@@ -146,6 +153,14 @@ def _check_backward(st: _Stage, i, a):
     st.grad_in.add(key)
 
 
+def _check_pair(st: _Stage, i, a: ForwardBackward):
+    if not isinstance(a.forward, Forward) or not isinstance(a.backward, Backward):
+        _fail(st.s, i, a, "a combined step holds one Forward and one Backward")
+    if a.forward.microbatch == a.backward.microbatch:
+        _fail(st.s, i, a, f"a combined step pairs two different microbatches: the backward of microbatch "
+                          f"{a.backward.microbatch} needs its forward to have ended before the step")
+
+
 def _check_weight(st: _Stage, i, a):
     key = (a.microbatch, a.chunk)
     if key not in st.grad_in:
@@ -190,7 +205,7 @@ def _check_stage(s: int, actions, placement: Placement) -> _StageStats:
     newest, inflight, max_inflight = 0, 0, 0
     pending_grads, delays = [], set()
     last_use = _last_use(actions)
-    held, max_versions = set(), 1  # versions older than `newest` still needed
+    held, max_versions, versions_at = set(), 1, (None, None)  # versions older than `newest` still needed
     for i, a in enumerate(actions):
         if isinstance(a, Forward):
             _check_forward(st, i, a, newest)
@@ -202,6 +217,14 @@ def _check_stage(s: int, actions, placement: Placement) -> _StageStats:
             if isinstance(a, Backward):
                 st.grad_w.add((a.microbatch, a.chunk))
                 pending_grads.append(a.version)
+        elif isinstance(a, ForwardBackward):
+            # the backward's own forward ran before the step: checked before the step's forward counts
+            _check_pair(st, i, a)
+            _check_backward(st, i, a.backward)
+            _check_forward(st, i, a.forward, newest)
+            max_inflight = max(max_inflight, inflight + 1)  # both passes' activations live during the step
+            st.grad_w.add((a.backward.microbatch, a.backward.chunk))
+            pending_grads.append(a.backward.version)
         elif isinstance(a, BackwardWeight):
             _check_weight(st, i, a)
             pending_grads.append(a.version)
@@ -223,10 +246,11 @@ def _check_stage(s: int, actions, placement: Placement) -> _StageStats:
         else:
             _fail(s, i, a, f"unknown action type {type(a).__name__}")
         held = {v for v in held if last_use[v] > i}
-        max_versions = max(max_versions, 1 + len(held))
+        if 1 + len(held) > max_versions:
+            max_versions, versions_at = 1 + len(held), (i, a)
     _check_end(st, pending_grads)
     forwards = {k for k, _ in st.fwd}
-    return _StageStats(forwards, newest, max_versions, max_inflight, delays)
+    return _StageStats(forwards, newest, max_versions, max_inflight, delays, versions_at)
 
 
 def _check_end(st: _Stage, pending_grads) -> None:
@@ -363,8 +387,10 @@ def _check_buffered(schedule: Schedule) -> None:
             _fail(s, ptr[s], acts[ptr[s]], f"deadlock: stage {acts[ptr[s]].peer} never sends it")
 
 
-def validate(schedule: Schedule, mode: str | None = None) -> ScheduleReport:
-    """Check `schedule` (one action list per stage); return its memory/delay report."""
+def validate(schedule: Schedule, mode: str | None = None, weight_versions: int | None = None) -> ScheduleReport:
+    """Check `schedule` (one action list per stage); return its memory/delay report.
+    With `weight_versions`, also refuse a stage that needs more weight versions at once
+    than that (what the schedule's runtime keeps: two under 2bw)."""
     if not schedule:
         raise ScheduleError("a schedule needs at least one stage")
     placement = placement_of(schedule)
@@ -372,6 +398,10 @@ def validate(schedule: Schedule, mode: str | None = None) -> ScheduleReport:
         raise ScheduleError(f"the placement has {placement.num_stages} stages, the schedule {len(schedule)} lists")
     stats = [_check_stage(s, acts, placement) for s, acts in enumerate(schedule)]
     _check_across(stats)
+    for s, st in enumerate(stats):
+        if weight_versions is not None and st.max_versions > weight_versions:
+            _fail(s, *st.versions_at, f"needs {st.max_versions} weight versions at once (its current weights "
+                                      f"and the older ones unfinished passes use), the runtime keeps {weight_versions}")
     if mode is None:
         mode = "buffered" if getattr(schedule, "buffered_sends", False) else "blocking"
     check_deadlock_free(schedule, mode)
