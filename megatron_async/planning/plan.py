@@ -19,8 +19,9 @@ parameters each GPU holds. The memory budget per GPU, for a bf16 run under 2bw:
   --delay-correction ef (the previous update) or nesterov (the previous gradient),
   two with dc-asgd (the previous update and the gradient's mean square);
 - activations, an estimate: bytes a token a layer x tokens of a microbatch x layers of
-  the stage x microbatches in flight (p - s on stage s under 1F1B and 2bw), plus the
-  last stage's fp32 logits. A dense layer keeps 34h (Korthikanti et al. 2022, flash
+  the stage x microbatches in flight (p - s on stage s under 1F1B and 2bw; 2(p - s) under 2bw
+  with --overlap-moe-expert-parallel-comm, whose combined steps need a deeper warm-up,
+  counted off its lists: planning/in_flight.py), plus the last stage's fp32 logits. A dense layer keeps 34h (Korthikanti et al. 2022, flash
   attention); an MoE layer keeps 20h outside its experts (measured with Megatron-Core's
   local layers, RoPE and QK-norm, no dropout: bench/gpu/moe_stage_memory.py
   --breakdown-step) and top-k experts' 2h + 6f (their input, SwiGLU's input and output).
@@ -63,6 +64,7 @@ import json
 import sys
 
 from megatron_async.megatron_lm.safety.save_space import CORRECTION_COPIES, stash_copies  # fp32 copies of the sharded main weights
+from megatron_async.planning.in_flight import microbatches_in_flight, uses_combined_steps
 from megatron_async.schedules.registry import schedule_or_default
 
 
@@ -155,14 +157,16 @@ def recompute_unit(args, layers: int) -> int:
         else min(1, args.recompute_num_layers, layers)
 
 
-def activation_bytes(args, stage: int, layers: int, last: bool) -> float:
-    """The `activations` term of a stage (module docstring), for args settled by settings_from_config."""
+def activation_bytes(args, stage: int, layers: int, last: bool, in_flight: int | None = None) -> float:
+    """The `activations` term of a stage (module docstring), for args settled by settings_from_config;
+    `in_flight`: the stage's microbatches in flight (planning/in_flight.py; default p - stage)."""
     from megatron_async.planning.send_buffers import activation_tensor_bytes
 
     tokens = args.seq_length * args.micro_batch_size
     per_layer = _layer_bytes_per_token(args) * tokens
     kept, checkpoints = recomputed_layers(args, layers)
-    in_flight = args.pipeline_model_parallel_size - stage
+    if in_flight is None:
+        in_flight = args.pipeline_model_parallel_size - stage
     # a checkpoint keeps its chunk's input (the hidden states a stage would send); the backward
     # rebuilds one unit at a time
     total = (kept * per_layer + checkpoints * activation_tensor_bytes(args)) * in_flight
@@ -193,7 +197,7 @@ def score_element_bytes(args) -> tuple[int, int]:
     return softmax + (dtype if dropout or softmax != dtype else 0) + (1 if dropout else 0), softmax
 
 
-def attention_score_bytes(args, stage: int, layers: int, materialised: bool) -> float:
+def attention_score_bytes(args, stage: int, layers: int, materialised: bool, in_flight: int | None = None) -> float:
     """What attention that materialises the scores adds beyond `activations` (docstring): per
     layer in flight what its scores keep (score_element_bytes) unless core attention is
     recomputed, then one layer's backward working set (3 score tensors, 4 when recomputed)
@@ -204,7 +208,8 @@ def attention_score_bytes(args, stage: int, layers: int, materialised: bool) -> 
         * args.seq_length ** 2
     kept_bytes, softmax_bytes = score_element_bytes(args)
     recomputed = _selective(args, "core_attn")
-    in_flight = args.pipeline_model_parallel_size - stage
+    if in_flight is None:
+        in_flight = args.pipeline_model_parallel_size - stage
     kept, _ = recomputed_layers(args, layers)
     stored = 0 if recomputed else kept * in_flight + recompute_unit(args, layers)  # full: the unit rebuilt
     working = (3 + (1 if recomputed else 0)) * softmax_bytes
@@ -285,8 +290,10 @@ def plan(args) -> list[dict]:
     moments = 4 if "muon" in args.optimizer else 8
     two_bw = schedule_or_default(args.pipeline_schedule).runtime is not None  # 2bw's runner: its sends, tied link
     m = args.global_batch_size // (args.micro_batch_size * dp)  # microbatches a batch, per data-parallel rank
-    p2p = stage_peaks(p, m) if two_bw else None
-    on_completion = stage_peaks_on_completion(p, m) if two_bw else None
+    paired = uses_combined_steps(args)  # --overlap-moe-expert-parallel-comm: the deeper warm-up's lists
+    in_flight = microbatches_in_flight(args, m)
+    p2p = stage_peaks(p, m, paired=paired) if two_bw else None
+    on_completion = stage_peaks_on_completion(p, m, paired=paired) if two_bw else None
     tensor_bytes = activation_tensor_bytes(args)
     tied = not args.untie_embeddings_and_output_weights
     rows = []
@@ -303,8 +310,8 @@ def plan(args) -> list[dict]:
             "gradients": grad_bytes * gpu,
             "optimizer": (4 + moments) * sharded,
             "ef_buffer": 4 * sharded * CORRECTION_COPIES.get(args.delay_correction, 0),
-            "activations": activation_bytes(args, stage, per_stage[stage], last),
-            "attention_scores": attention_score_bytes(args, stage, per_stage[stage], materialised),
+            "activations": activation_bytes(args, stage, per_stage[stage], last, in_flight[stage]),
+            "attention_scores": attention_score_bytes(args, stage, per_stage[stage], materialised, in_flight[stage]),
             "p2p_buffers": p2p[stage].buffers * tensor_bytes if two_bw else 0,
             "tied_link": tied_link_bytes(args, first, last, grad_bytes) if two_bw else 0,
         }

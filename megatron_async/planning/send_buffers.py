@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_async.pipeline.p2p import PendingSends
-from megatron_async.schedules.actions import (Backward, Forward, OptimizerStep, RecvActivation, RecvGrad,
-                                              SendActivation, SendGrad)
+from megatron_async.schedules.actions import (Backward, Forward, ForwardBackward, OptimizerStep, RecvActivation,
+                                              RecvGrad, SendActivation, SendGrad, passes)
 from megatron_async.schedules.stream_2bw import TEMPLATE_BATCHES, TwoBWStream
 
 RETIRE_LAG = 1  # the executor calls pending_sends.retire_through(step - 1) after OptimizerStep(step)
@@ -78,14 +78,12 @@ def replay(actions, num_microbatches: int, first: bool, last: bool, retire_lag: 
     received: set = set()  # (kind, microbatch) received, not yet consumed
     peak = {"act": 0, "grad": 0, "sends": 0, "buffers": 0}
     for index, action in enumerate(actions):
-        if isinstance(action, Forward):
-            received.discard(("act", action.microbatch))
-            if not last:
-                outgoing.add(("act", action.microbatch))
-        elif isinstance(action, Backward):
-            received.discard(("grad", action.microbatch))
-            if not first:
-                outgoing.add(("grad", action.microbatch))
+        if isinstance(action, (Forward, Backward, ForwardBackward)):
+            for pass_ in passes(action):  # a combined step consumes and produces both passes' tensors
+                kind, sends = ("act", not last) if isinstance(pass_, Forward) else ("grad", not first)
+                received.discard((kind, pass_.microbatch))
+                if sends:
+                    outgoing.add((kind, pass_.microbatch))
         elif isinstance(action, (SendActivation, SendGrad)):
             kind = "act" if isinstance(action, SendActivation) else "grad"
             outgoing.remove((kind, action.microbatch))
@@ -106,15 +104,16 @@ def replay(actions, num_microbatches: int, first: bool, last: bool, retire_lag: 
 
 
 def stage_peaks(num_stages: int, num_microbatches: int, batches: int = REPLAY_BATCHES,
-                retire_lag: int = RETIRE_LAG) -> list[P2PPeak]:
-    """One P2PPeak per stage of a 2bw pipeline, over a run of `batches` batches."""
-    stream = TwoBWStream(num_stages, num_microbatches, batches)
+                retire_lag: int = RETIRE_LAG, paired: bool = False) -> list[P2PPeak]:
+    """One P2PPeak per stage of a 2bw pipeline, over a run of `batches` batches (`paired`:
+    the lists with combined forward-backward steps)."""
+    stream = TwoBWStream(num_stages, num_microbatches, batches, paired=paired)
     return [replay(stream.actions(s), num_microbatches, s == 0, s == num_stages - 1, retire_lag)
             for s in range(num_stages)]
 
 
 def stage_peaks_on_completion(num_stages: int, num_microbatches: int, batches: int = REPLAY_BATCHES,
-                              fwd: float = 1.0, bwd: float = 2.0) -> list[P2PPeak]:
+                              fwd: float = 1.0, bwd: float = 2.0, paired: bool = False) -> list[P2PPeak]:
     """The peaks when a send retires as soon as it is known complete (NCCL: once its
     receive has ended; PendingSends.add drops it at this stage's next post), timed by
     the schedule simulator with forward and backward costs `fwd` and `bwd`.
@@ -125,7 +124,7 @@ def stage_peaks_on_completion(num_stages: int, num_microbatches: int, batches: i
     from megatron_async.schedules.actions import is_comm, is_send, placement_of, tensor_key
     from megatron_async.schedules.simulator import simulate
 
-    lists = TwoBWStream(num_stages, num_microbatches, batches).lists()
+    lists = TwoBWStream(num_stages, num_microbatches, batches, paired=paired).lists()
     ends = simulate(lists, fwd=fwd, bwd=bwd).action_ends
     placement = placement_of(lists)
     received_at = {tensor_key(a, s, placement): ends[s][i] for s, acts in enumerate(lists)
