@@ -23,7 +23,9 @@ waits from the same action lists the runtime uses. This module supplies the cost
 The overlaps 2BW refuses are priced against 2BW without them (`overlap_rows`, `--overlaps`):
 Megatron's interleaved 1F1B with the EP all-to-all overlap of its combined forward-backward
 step (`--overlap-moe-expert-parallel-comm`, which Megatron runs only with virtual stages at
-PP > 1), and 1F1B and interleaved 1F1B with CUDA graphs (`--cuda-graph-impl`).
+PP > 1), and 1F1B and interleaved 1F1B with CUDA graphs (`--cuda-graph-impl`). The EP overlap
+is simulated on each schedule's own lists with combined steps (2bw's with the deeper warm-up
+of schedules/gen_2bw_paired.py), each step priced at what it costs (`StageCosts.pair`).
 
 Validation on CPU: `predict_cpu` turns per-stage costs measured on this machine
 (bench/throughput/stage_costs.py) into the s / microbatch of each configuration of
@@ -45,13 +47,13 @@ import argparse
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from megatron_async.planning.hardware import ASSUMPTIONS as HARDWARE_ASSUMPTIONS
 from megatron_async.planning.balance import best_split
 from megatron_async.planning.hardware import H100, Cluster, newton_schulz_flops
-from megatron_async.schedules.generators import generate
+from megatron_async.schedules.generators import generate, min_microbatches_2bw_paired
 from megatron_async.schedules.simulator import simulate
 
 SIM_BATCHES = 6  # batches per simulated run; the simulator's rate uses the middle ones
@@ -101,13 +103,16 @@ ASSUMPTIONS = {
             "Engine's fused layers dispatch fewer); host time per operator: 5 us, stated (a bare PyTorch "
             "operator takes 4 us of host time on this project's CPU, bench/throughput/host_time.py; a CUDA "
             "launch and Megatron's Python around it add to it), --host-us-per-op changes it",
-    "ep_overlap": "Megatron's combined forward-backward step hides a layer's all-to-all (dispatch and combine) "
-                  "behind the compute of the other microbatch's pass wherever a forward and a backward run "
-                  "paired, as far as that compute lasts: in interleaved 1F1B all passes but each rank's warm-up "
-                  "forwards and cool-down backwards, (p - rank - 1) x 2 + (v - 1) x p of them (Megatron's "
-                  "get_num_warmup_microbatches); the overlap itself is free (SM sharing and "
-                  "--delay-wgrad-compute's split left out: favours the overlapped schedule); Megatron-Core 0.19.2 "
-                  "runs it only with virtual stages at PP > 1 (TransformerConfig), so plain 1F1B has none",
+    "ep_overlap": "Megatron's combined forward-backward step runs one microbatch's forward beside another's "
+                  "backward and hides each pass's all-to-all (dispatch and combine) behind the other pass's "
+                  "compute, as far as that compute lasts; the overlap itself is free (SM sharing and "
+                  "--delay-wgrad-compute's split left out: favours the overlapped schedule). Where the steps "
+                  "run is simulated, not assumed: the lists with --overlap-moe-expert-parallel-comm, interleaved "
+                  "1F1B with Megatron's one extra warm-up forward (get_pp_rank_microbatches) and combined steps "
+                  "in its steady state, 2bw with a warm-up of 2(p-1-s)+1 forwards and combined steps "
+                  "(schedules/gen_2bw_paired.py, m >= 2p-1); a combined step sends its activation and its "
+                  "gradient only when it ends; Megatron-Core 0.19.2 runs the overlap only with virtual stages "
+                  "at PP > 1 (TransformerConfig), so plain 1F1B has none",
     "layout": "DP=8 per stage on one node (EP=8 over it, TP=1), stages on different nodes: "
               "pipeline p2p crosses InfiniBand, DP and EP traffic stays on NVLink",
     "flops": "forward 2 FLOPs per multiply-add of every GEMM (QKV, attention scores and values with a "
@@ -159,17 +164,18 @@ class StageCosts:
     opt: list[float]
     p2p: float
     sync: float  # 1F1B's cross-stage gradient-norm all-reduce per step
+    pair: list[float] | None = None  # a combined forward-backward step (None: forward + backward)
     detail: dict = field(default_factory=dict)
 
 
 def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8, mbs: int = 1,
               optimizer: str = "muon", counts=None, m: int = 0, host_s_per_op: float = HOST_S_PER_OP,
-              graphs: bool = False, paired=None) -> StageCosts:
-    """Per-stage seconds of one microbatch's forward and backward and of one optimizer step,
-    for the layers per stage `counts` (default: the best split for m microbatches a batch,
-    `balanced_counts`). A layer's pass takes the longer of its GPU time and its host time
-    (none with `graphs`); `paired` (per stage, the share of passes that run beside another
-    microbatch's pass, for the EP overlap) hides that share of the all-to-all."""
+              graphs: bool = False) -> StageCosts:
+    """Per-stage seconds of one microbatch's forward and backward, of one combined step (a
+    forward beside another microbatch's backward, Megatron's EP overlap) and of one optimizer
+    step, for the layers per stage `counts` (default: the best split for m microbatches a
+    batch, `balanced_counts`). A layer's pass takes the longer of its GPU time and its host
+    time (none with `graphs`)."""
     tokens = mbs * model.seq
     rate = cluster.peak_flops * cluster.mfu
     act_bytes = 2 * tokens * model.hidden
@@ -182,14 +188,11 @@ def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8,
     ops_f, ops_b = LAYER_OPERATORS["moe" if model.experts else "dense"]
     host_f, host_b = (0.0, 0.0) if graphs else (ops_f * host_s_per_op, ops_b * host_s_per_op)
 
-    def layer(share: float = 0.0) -> tuple[float, float]:
-        """A layer's forward and backward when `share` of them run paired: a forward's
-        all-to-all hides behind the paired backward's compute and the other way round."""
-        gpu_f = compute_f + a2a - share * min(a2a, compute_b)
-        gpu_b = compute_b + a2a - share * min(a2a, compute_f)
-        return max(gpu_f, host_f), max(gpu_b, host_b)
-
-    layer_f, layer_b = layer()
+    layer_f, layer_b = max(compute_f + a2a, host_f), max(compute_b + a2a, host_b)
+    # a layer's combined step: the forward's all-to-all hides behind the backward's compute and
+    # the other way round, as far as that compute lasts; the host issues both passes' operators
+    hidden = min(a2a, compute_b) + min(a2a, compute_f)
+    layer_pair = max(compute_f + compute_b + 2 * a2a - hidden, host_f + host_b)
     head = 2 * tokens * model.hidden * model.vocab / rate
     dense, experts = layer_params(model)
     table = model.vocab * model.hidden
@@ -210,21 +213,21 @@ def gpu_costs(model: Model, cluster: Cluster, pp: int, dp: int = 8, ep: int = 8,
     if counts is None:
         counts = balanced_counts(model.layers, pp, layer_f + layer_b + step(1, 0) / max(m, 1),
                                  (step(0, 1) + link) / max(m, 1), 3 * head + (step(0, last_tables) + link) / max(m, 1))
-    fwd, bwd, opt = [], [], []
+    fwd, bwd, pair, opt = [], [], [], []
     for s, n in enumerate(counts):
-        stage_f, stage_b = layer(paired[s]) if paired else (layer_f, layer_b)
-        f, b = n * stage_f, n * stage_b
+        f, b, fb = n * layer_f, n * layer_b, n * layer_pair
         tables = (1 if s == 0 else 0) + (last_tables if s == pp - 1 else 0)
-        if s == pp - 1:
-            f, b = f + head, b + 2 * head
+        if s == pp - 1:  # the output layer's passes hide nothing
+            f, b, fb = f + head, b + 2 * head, fb + 3 * head
         fwd.append(f)
         bwd.append(b)
+        pair.append(fb)
         opt.append(step(n, tables) + (link if s in (0, pp - 1) else 0.0))
     p2p = act_bytes / cluster.ib_bytes_s + cluster.link_latency_s
     sync = 2 * math.log2(max(pp, 2)) * cluster.link_latency_s
-    return StageCosts(fwd, bwd, opt, p2p, sync, detail={
+    return StageCosts(fwd, bwd, opt, p2p, sync, pair=pair, detail={
         "layers_per_stage": list(counts), "a2a_per_layer_pass": a2a, "compute_per_layer": [compute_f, compute_b],
-        "host_per_layer": [host_f, host_b]})
+        "host_per_layer": [host_f, host_b], "combined_step_per_layer": layer_pair})
 
 
 def balanced_counts(layers: int, pp: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
@@ -233,19 +236,22 @@ def balanced_counts(layers: int, pp: int, layer: float, first_extra: float, last
 
 
 @functools.lru_cache(maxsize=None)
-def _action_lists(schedule: str, pp: int, m: int):
+def _action_lists(schedule: str, pp: int, m: int, ep_overlap: bool = False):
     """A schedule's action lists, generated once per shape: a projection simulates each shape
     under several models and layouts, and the simulator only reads them."""
-    return generate(schedule, pp, m, SIM_BATCHES)
+    return generate(schedule, pp, m, SIM_BATCHES, ep_overlap=ep_overlap)
 
 
-def simulate_config(schedule: str, pp: int, m: int, costs: StageCosts, chunks: int = 2) -> float:
-    """Seconds per microbatch (steady state) of `schedule` under `costs`."""
-    f, b = costs.fwd, costs.bwd
+def simulate_config(schedule: str, pp: int, m: int, costs: StageCosts, chunks: int = 2,
+                    ep_overlap: bool = False) -> float:
+    """Seconds per microbatch (steady state) of `schedule` under `costs`; with `ep_overlap`, of
+    the lists it runs with --overlap-moe-expert-parallel-comm, each combined step at `costs.pair`."""
+    f, b, fb = costs.fwd, costs.bwd, costs.pair
     if schedule == "interleaved-1f1b":  # each piece holds half a stage
         f, b = [x / chunks for x in f], [x / chunks for x in b]
-    result = simulate(_action_lists(schedule, pp, m), fwd=f, bwd=b, opt=costs.opt, p2p=costs.p2p,
-                      sync_at_step=schedule != "2bw", sync_cost=costs.sync)
+        fb = fb and [x / chunks for x in fb]
+    result = simulate(_action_lists(schedule, pp, m, ep_overlap), fwd=f, bwd=b, pair=fb, opt=costs.opt,
+                      p2p=costs.p2p, sync_at_step=schedule != "2bw", sync_cost=costs.sync)
     return 1.0 / result.throughput
 
 
@@ -302,39 +308,42 @@ def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: in
     return rows
 
 
-# the overlaps 2BW refuses: schedule row name -> (Megatron's schedule, EP all-to-all overlap, CUDA graphs)
+# the overlaps 2BW refuses: schedule row name -> (Megatron's schedule, EP all-to-all overlap, CUDA graphs,
+# a split finer than whole layers)
 OVERLAPPED = {
-    "1f1b+cuda-graphs": ("1f1b", False, True),
-    "interleaved-1f1b+cuda-graphs": ("interleaved-1f1b", False, True),
-    "interleaved-1f1b+ep-overlap": ("interleaved-1f1b", True, False),
-    "interleaved-1f1b+ep-overlap+cuda-graphs": ("interleaved-1f1b", True, True),
+    "1f1b+cuda-graphs": ("1f1b", False, True, False),
+    "interleaved-1f1b+cuda-graphs": ("interleaved-1f1b", False, True, False),
+    "interleaved-1f1b+ep-overlap": ("interleaved-1f1b", True, False, False),
+    "interleaved-1f1b+ep-overlap+cuda-graphs": ("interleaved-1f1b", True, True, False),
 }
-# the same overlaps under 2BW, which it does not implement: what would win back a lead it loses
+# the same overlaps under 2BW, which it does not implement (the EP overlap on its combined-step
+# lists, CUDA graphs captured per weight version), and the EP overlap on a split finer than
+# whole layers (`finer_split`): what would win back a lead it loses
 WIN_BACK = {
-    "2bw+ep-overlap": ("2bw", True, False),
-    "2bw+cuda-graphs": ("2bw", False, True),
-    "2bw+ep-overlap+cuda-graphs": ("2bw", True, True),
+    "2bw+ep-overlap": ("2bw", True, False, False),
+    "2bw+cuda-graphs": ("2bw", False, True, False),
+    "2bw+ep-overlap+cuda-graphs": ("2bw", True, True, False),
+    "2bw+ep-overlap+finer-split": ("2bw", True, False, True),
 }
 NO_EP_OVERLAP_WITHOUT_VIRTUAL_STAGES = ("Megatron-Core 0.19.2 runs --overlap-moe-expert-parallel-comm only with "
                                         "virtual stages at PP > 1")
 
 
-def warmup_passes(pp: int, rank: int, m: int, chunks: int = 2) -> int:
-    """Forwards `rank` runs before its first backward in Megatron's interleaved 1F1B
-    (get_num_warmup_microbatches, a microbatch group of p), at most all of them; as many
-    backwards run alone at the end."""
-    return min(m * chunks, (pp - rank - 1) * 2 + (chunks - 1) * pp)
+def finer_split(costs: StageCosts) -> StageCosts:
+    """Every stage at the mean of `costs`' stages: the model's time split evenly, which a split
+    finer than whole layers (parts of a layer, the output layer's work moved) approaches."""
+    def mean(xs):
+        return None if xs is None else [sum(xs) / len(xs)] * len(xs)
+
+    return replace(costs, fwd=mean(costs.fwd), bwd=mean(costs.bwd), pair=mean(costs.pair), opt=mean(costs.opt))
 
 
-def paired_shares(schedule: str, pp: int, m: int, chunks: int = 2) -> list[float]:
-    """Per rank, the share of its passes that a combined step would run beside another
-    microbatch's pass: in Megatron's interleaved 1F1B all but the warm-up forwards and
-    cool-down backwards; under 2BW, whose ranks alternate forwards and backwards across
-    batches without a flush, all of them once the pipeline has filled."""
-    if schedule == "2bw":
-        return [1.0] * pp
-    total = m * chunks
-    return [(total - warmup_passes(pp, rank, m, chunks)) / total for rank in range(pp)]
+def ep_overlap_refusal(schedule: str, pp: int, m: int) -> str | None:
+    """Why `schedule` has no lists with the EP overlap at (p, m), None if it has: 2bw's combined
+    steps need m >= 2p-1 (schedules/gen_2bw_paired.py)."""
+    if schedule == "2bw" and m < min_microbatches_2bw_paired(pp):
+        return f"needs m >= 2p-1 = {min_microbatches_2bw_paired(pp)}"
+    return None
 
 
 def overlap_rows(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: int = 1,
@@ -343,7 +352,9 @@ def overlap_rows(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mb
     """`project`'s rows, then for each of its Megatron rows the same schedule at the same
     split with the overlaps 2BW refuses (OVERLAPPED; the EP overlap for MoE models only),
     and for its 2BW rows the same overlaps under 2BW (WIN_BACK, `implemented` False):
-    tokens/s per GPU and `over_base`, the speed-up over the schedule without them."""
+    tokens/s per GPU and `over_base`, the speed-up over the schedule without them. With the
+    EP overlap a schedule runs its lists with combined steps (`simulate_config`); 2BW's need
+    m >= 2p-1, and below that its row carries a note instead."""
     rows = project(model, cluster, pps=pps, dp=dp, mbs=mbs, optimizer=optimizer, configured_m=configured_m,
                    host_s_per_op=host_s_per_op)
     out = list(rows)
@@ -353,17 +364,17 @@ def overlap_rows(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mb
         if model.experts and base["schedule"] == "1f1b":
             out.append(dict(schedule="1f1b+ep-overlap", pp=base["pp"], m=base["m"], layout=base["layout"],
                             layers_per_stage=base["layers_per_stage"], note=NO_EP_OVERLAP_WITHOUT_VIRTUAL_STAGES))
-        for name, schedule, ep_overlap, graphs in variants:
+        for name, schedule, ep_overlap, graphs, finer in variants:
             row = dict(schedule=name, base=schedule, pp=base["pp"], m=base["m"], layout=base["layout"],
                        layers_per_stage=base["layers_per_stage"], implemented=name in OVERLAPPED)
-            if "efficiency" not in base:
-                out.append(dict(row, note=base["note"]))
-                continue
             pp, m = base["pp"], base["m"]
+            refusal = ep_overlap and ep_overlap_refusal(schedule, pp, m)
+            if "efficiency" not in base or refusal:
+                out.append(dict(row, note=refusal or base["note"]))
+                continue
             costs = gpu_costs(model, cluster, pp, dp=dp, mbs=mbs, optimizer=optimizer,
-                              counts=base["layers_per_stage"], host_s_per_op=host_s_per_op, graphs=graphs,
-                              paired=paired_shares(schedule, pp, m) if ep_overlap else None)
-            t = simulate_config(schedule, pp, m, costs)
+                              counts=base["layers_per_stage"], host_s_per_op=host_s_per_op, graphs=graphs)
+            t = simulate_config(schedule, pp, m, finer_split(costs) if finer else costs, ep_overlap=ep_overlap)
             out.append(dict(row, gpus=pp * dp, s_per_microbatch=t, tokens_per_s_per_gpu=mbs * model.seq / t / pp,
                             over_base=base["s_per_microbatch"] / t))
     return out
@@ -377,28 +388,38 @@ def fastest(rows: list[dict], schedule: str, pp: int, m: int) -> dict | None:
 
 def overlap_report(rows: list[dict]) -> str:
     """2BW without the overlaps it refuses against Megatron's schedules with them, each at
-    its faster split (tokens/s per GPU), 2BW over the fastest of them, and where that is
-    below 1, the first of the same overlaps under 2BW (not implemented) that wins it back."""
+    its faster split (tokens/s per GPU), 2BW over the fastest of them; for an MoE, 2BW with
+    the EP overlap (its combined-step lists, not implemented in its runtime) over the same;
+    and where 2BW's lead is below 1, each of the same overlaps under 2BW (not implemented)
+    that wins it back, or "none of them"."""
     moe = any(r["schedule"].startswith("interleaved-1f1b+ep-overlap") for r in rows)
     names = ["1f1b", "1f1b+cuda-graphs", "interleaved-1f1b", "interleaved-1f1b+cuda-graphs"]
     names += ["interleaved-1f1b+ep-overlap", "interleaved-1f1b+ep-overlap+cuda-graphs"] if moe else []
     back = [name for name, how in WIN_BACK.items() if moe or not how[1]]
-    lines = ["| p | m | 2bw | " + " | ".join(names) + " | 2bw / the fastest | the fastest | what wins it back "
-             "(not implemented) |", "| --- " * (len(names) + 6) + "|"]
+    paired = ["2bw+ep-overlap (not implemented)", "2bw+ep-overlap / the fastest"] if moe else []
+    header = ["p", "m", "2bw", *names, "the fastest", "2bw / the fastest", *paired,
+              "what wins it back (not implemented)"]
+    lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
     for pp, m in sorted({(r["pp"], r["m"]) for r in rows}):
         two = fastest(rows, "2bw", pp, m)
         found = {name: fastest(rows, name, pp, m) for name in names}
         best = max((r for r in found.values() if r), key=lambda r: r["tokens_per_s_per_gpu"])
-        lead = two["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+        over = lambda r: r["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]  # noqa: E731
         wins = ""
-        if lead < 1:
-            win = next((fastest(rows, name, pp, m) for name in back
-                        if fastest(rows, name, pp, m)["tokens_per_s_per_gpu"] >= best["tokens_per_s_per_gpu"]), None)
-            wins = (f"{win['schedule']}: {win['tokens_per_s_per_gpu'] / best['tokens_per_s_per_gpu']:.2f}x"
-                    if win else "none of them")
+        if over(two) < 1:
+            win = [r for r in (fastest(rows, name, pp, m) for name in back) if r and over(r) >= 1]
+            wins = "; ".join(f"{r['schedule']}: {over(r):.2f}x" for r in win) or "none of them"
         cells = [f"{r['tokens_per_s_per_gpu']:.0f}" if r else "n/a" for r in found.values()]
-        lines.append(f"| {pp} | {m} | {two['tokens_per_s_per_gpu']:.0f} | " + " | ".join(cells) +
-                     f" | {lead:.2f}x | {best['schedule']} | {wins} |")
+        if moe:
+            with_overlap = fastest(rows, "2bw+ep-overlap", pp, m)
+            note = next((r["note"] for r in rows if (r["schedule"], r["pp"], r["m"]) == ("2bw+ep-overlap", pp, m)
+                         and "note" in r), "n/a")
+            cells += [best["schedule"], f"{over(two):.2f}x",
+                      f"{with_overlap['tokens_per_s_per_gpu']:.0f}" if with_overlap else note,
+                      f"{over(with_overlap):.2f}x" if with_overlap else "n/a"]
+        else:
+            cells += [best["schedule"], f"{over(two):.2f}x"]
+        lines.append(f"| {pp} | {m} | {two['tokens_per_s_per_gpu']:.0f} | " + " | ".join(cells) + f" | {wins} |")
     return "\n".join(lines)
 
 
