@@ -6,11 +6,11 @@ args object is another run."""
 import pickle
 from types import SimpleNamespace
 
-from megatron_async.megatron_lm.adapter import plugin_run
+from megatron_async.megatron_lm.adapter import plugin_run, run_mode
 
 
 def _args(**over):
-    return SimpleNamespace(**{"pipeline_schedule": "2bw", "simulated_delay": 0, **over})
+    return SimpleNamespace(**{"pipeline_schedule": "2bw", "simulated_delay": (0,), **over})
 
 
 class _Delayed:
@@ -35,8 +35,8 @@ def test_two_runs_in_one_process_share_nothing():
 def test_a_synchronous_run_has_no_delayed_state():
     sync = plugin_run.start(_args(pipeline_schedule="1f1b"))
     assert sync.delayed is None and sync.metrics is not None
-    assert plugin_run.run_class(_args(pipeline_schedule="1f1b")) is None  # the optimizer hook builds none
-    assert plugin_run.run_class(_args(pipeline_schedule=None, simulated_delay=1)) is not None
+    assert run_mode.of(_args(pipeline_schedule="1f1b")).run_class() is None  # the optimizer hook builds none
+    assert run_mode.of(_args(pipeline_schedule=None, simulated_delay=(1,))).run_class() is not None
 
 
 def test_megatrons_pickled_args_carry_nothing_of_the_run(tmp_path):
@@ -46,10 +46,12 @@ def test_megatrons_pickled_args_carry_nothing_of_the_run(tmp_path):
 
     import torch
 
-    args = argparse.Namespace(pipeline_schedule="2bw", simulated_delay=0)
+    args = argparse.Namespace(pipeline_schedule="2bw", simulated_delay=(0,))
     plugin_run.start(args)
+    run_mode.hold(args, run_mode.resolve(args))
     torch.save({"args": args}, tmp_path / "ckpt.pt")
     with torch.serialization.safe_globals([argparse.Namespace]):
         restored = torch.load(tmp_path / "ckpt.pt", weights_only=True)["args"]
     assert restored.pipeline_schedule == "2bw" and plugin_run.current(restored) is None
+    assert not isinstance(getattr(restored, run_mode.MODE_ATTR), run_mode.RunMode)
     assert plugin_run.current(pickle.loads(pickle.dumps(args))) is None

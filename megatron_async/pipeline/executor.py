@@ -94,9 +94,6 @@ class StageExecutor:
         self._drained: set = set()  # microbatches whose activation drain() received early
         self._fused: dict = {}  # hooked microbatch -> its fused weights (stash/fused_wgrad.py)
         self.pending_sends = PendingSends(self.m)
-        # the compute actions this executor runs; any other raises (a zero-bubble list's
-        # split backward would otherwise be skipped)
-        self._compute: dict = {Forward: "_forward", Backward: "_backward", OptimizerStep: "_step_and_retire"}
 
     # --- compute ---------------------------------------------------------------
     # Megatron's own per-microbatch steps (megatron.core.pipeline_parallel.schedules),
@@ -191,19 +188,26 @@ class StageExecutor:
                         if isinstance(a, SendActivation) and a.microbatch % self.m == self.m - 1:
                             self.events.batch_sent(a.microbatch // self.m)
                 continue
-            name = self._compute.get(type(action))
-            if name is None:
-                raise ScheduleError(f"stage {self.links.stage}: the executor cannot run {action!r} "
-                                    f"({type(action).__name__}); it runs {', '.join(t.__name__ for t in self._compute)} "
-                                    "and point-to-point actions")
             if getattr(action, "chunk", 0) != 0:  # this stage holds one piece of the model, chunk 0
                 raise ScheduleError(f"stage {self.links.stage}: {action!r} runs model chunk {action.chunk}, "
                                     "but this stage holds one chunk (0): an interleaved list needs a virtual "
                                     "pipeline, which 2bw does not run")
-            self._lookahead.popleft()
-            result = self._forward(action, data_for) if name == "_forward" else getattr(self, name)(action)
-            if isinstance(action, OptimizerStep) and stop is not None and action.step == stop:
-                return True, result
+            match action:  # any other compute action stops the run (a split backward must not be skipped)
+                case Forward():
+                    self._lookahead.popleft()
+                    self._forward(action, data_for)
+                case Backward():
+                    self._lookahead.popleft()
+                    self._backward(action)
+                case OptimizerStep():
+                    self._lookahead.popleft()
+                    result = self._step_and_retire(action)
+                    if stop is not None and action.step == stop:
+                        return True, result
+                case _:
+                    raise ScheduleError(f"stage {self.links.stage}: the executor cannot run {action!r} "
+                                        f"({type(action).__name__}); it runs Forward, Backward, OptimizerStep "
+                                        "and point-to-point actions")
         return False, None
 
     def _step_and_retire(self, action: OptimizerStep):

@@ -11,7 +11,7 @@ not off a formula, so a change to the generator shows in the plan.
 
 from __future__ import annotations
 
-from megatron_async.schedules.registry import get_schedule_generator, schedule_or_default
+from megatron_async.megatron_lm.adapter import run_mode
 
 # batches of the lists replayed: the warm-up fits in one batch (m >= 2p-1), and the first
 # combined step after it is the peak
@@ -22,7 +22,7 @@ def uses_combined_steps(args) -> bool:
     """The run's schedule is one of our runtime's (2bw) and would run its combined
     forward-backward lists: Megatron's --overlap-moe-expert-parallel-comm is set and the
     schedule registers such lists."""
-    spec = schedule_or_default(getattr(args, "pipeline_schedule", None))
+    spec = run_mode.of(args).spec
     return (bool(getattr(args, "overlap_moe_expert_parallel_comm", False)) and spec.runtime is not None
             and spec.ep_overlap_generator is not None)
 
@@ -35,5 +35,5 @@ def microbatches_in_flight(args, microbatches: int) -> list[int]:
         return [p - s for s in range(p)]
     from megatron_async.schedules.validator import validate
 
-    lists = get_schedule_generator(args.pipeline_schedule, ep_overlap=True)(p, microbatches, REPLAY_BATCHES)
+    lists = run_mode.of(args).spec.action_generator(ep_overlap=True)(p, microbatches, REPLAY_BATCHES)
     return validate(lists).max_inflight_microbatches

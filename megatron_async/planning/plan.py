@@ -65,7 +65,7 @@ import sys
 
 from megatron_async.megatron_lm.safety.save_space import CORRECTION_COPIES, stash_copies  # fp32 copies of the sharded main weights
 from megatron_async.planning.in_flight import microbatches_in_flight, uses_combined_steps
-from megatron_async.schedules.registry import schedule_or_default
+from megatron_async.megatron_lm.adapter import run_mode
 
 
 def _build_stage(config, args, layers: int, first: bool, last: bool, device: str = "meta"):
@@ -288,7 +288,7 @@ def plan(args) -> list[dict]:
                                  getattr(args, "pipeline_model_parallel_layout", None))
     grad_bytes = 4 if args.accumulate_allreduce_grads_in_fp32 else 2
     moments = 4 if "muon" in args.optimizer else 8
-    two_bw = schedule_or_default(args.pipeline_schedule).runtime is not None  # 2bw's runner: its sends, tied link
+    two_bw = run_mode.of(args).spec.runtime is not None  # 2bw's runner: its sends, tied link
     m = args.global_batch_size // (args.micro_batch_size * dp)  # microbatches a batch, per data-parallel rank
     paired = uses_combined_steps(args)  # --overlap-moe-expert-parallel-comm: the deeper warm-up's lists
     in_flight = microbatches_in_flight(args, m)

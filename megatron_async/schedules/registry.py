@@ -49,6 +49,11 @@ class ScheduleSpec:
         """The persistent pipeline runner of this schedule (None: none of ours)."""
         return _resolve(self.runtime)
 
+    def action_generator(self, ep_overlap: bool = False) -> Optional[Callable]:
+        """This schedule's action-list generator; with `ep_overlap`, the one for Megatron's
+        --overlap-moe-expert-parallel-comm (combined steps). None: it has none."""
+        return _resolve(self.ep_overlap_generator if ep_overlap else self.generator)
+
     def run_class(self) -> Optional[Callable]:
         """The class that trains this schedule in Megatron's loop (None: Megatron's own function)."""
         return _resolve(self.run)
@@ -148,7 +153,7 @@ def get_schedule_generator(name: str, ep_overlap: bool = False) -> Callable:
     """The action-list generator of schedule `name` (for validator, simulator, executor); with
     `ep_overlap`, the one for Megatron's --overlap-moe-expert-parallel-comm."""
     spec = get_schedule(name)
-    gen = _resolve(spec.ep_overlap_generator if ep_overlap else spec.generator)
+    gen = spec.action_generator(ep_overlap)
     if gen is None and ep_overlap:
         paired = [n for n in available_schedules() if _REGISTRY[n].ep_overlap_generator is not None]
         raise ValueError(f"pipeline schedule {name!r} has no action lists with --overlap-moe-expert-parallel-comm "

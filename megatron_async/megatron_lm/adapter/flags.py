@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import re
 
+from megatron_async.megatron_lm.adapter import run_mode
 from megatron_async.stash.delay_reference import parse_delays
 from megatron_async.megatron_lm.safety.failures import FlagError  # noqa: F401 - raised here, caught by name elsewhere
-from megatron_async.schedules.registry import available_schedules, schedule_or_default
+from megatron_async.schedules.registry import available_schedules
 
 
 
@@ -117,7 +118,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     """Before Megatron's validate_args: a flag of DEFAULTS_2BW the user did not set (None, as
     _mark_defaults_2bw_replaces parses it) gets Megatron's default, or under 2bw the value 2bw
     needs (the rows its spec names, ScheduleSpec.flag_defaults), with a one-line notice."""
-    replaced = schedule_or_default(getattr(args, "pipeline_schedule", None)).default_rows()
+    mode = run_mode.of(args)
+    replaced = mode.schedule.default_rows()
     for row in DEFAULTS_2BW:
         dest, flag, megatron_default, value_2bw, why = row
         if not hasattr(args, dest) or getattr(args, dest) is not None:
@@ -125,7 +127,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         if row in replaced:
             setattr(args, dest, value_2bw)
             if getattr(args, "rank", 0) == 0:
-                print(f"megatron-async: --pipeline-schedule {args.pipeline_schedule} sets {flag} {value_2bw} ({why})",
+                print(f"megatron-async: {_schedule_flag(mode)} sets {flag} {value_2bw} ({why})",
                       flush=True)
         else:
             setattr(args, dest, megatron_default)
@@ -203,8 +205,9 @@ SILENTLY_WRONG_UNDER_2BW = (
 
 
 def validate_first(args: argparse.Namespace) -> None:
-    """Before Megatron's validate_args: the defaults 2bw replaces, and the flags Megatron
-    checks with a bare assert."""
+    """Before Megatron's validate_args: the run's mode, resolved once (run_mode.py), the
+    defaults 2bw replaces, and the flags Megatron checks with a bare assert."""
+    run_mode.hold(args, run_mode.resolve(args))
     resolve_defaults(args)
     _require(not getattr(args, "save", None) or getattr(args, "save_interval", None) is not None,
              f"--save {getattr(args, 'save', None)} needs --save-interval N, the iterations between checkpoints "
@@ -215,42 +218,35 @@ def validate_first(args: argparse.Namespace) -> None:
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Check our flags against Megatron's (after Megatron's validate_args filled derived values)."""
-    delays = args.simulated_delay if isinstance(args.simulated_delay, tuple) else (args.simulated_delay,)
-    args.simulated_stage_delays = delays if len(set(delays)) > 1 else None
-    args.simulated_delay = max(delays)
-    if args.simulated_pipeline_stages is None:
-        args.simulated_pipeline_stages = len(delays) if len(delays) > 1 else 1
-    _check_simulated_delay(args, delays)
-    _check_delay_correction(args, delays)
+    mode = run_mode.of(args)
+    _check_simulated_delay(args, mode)
+    _check_delay_correction(args, mode)
     _check_optimizer(args)
     _check_low_precision(args)
     _check_data(args)
-    _check_checkpoints(args)
-    spec = schedule_or_default(args.pipeline_schedule)
-    if spec.stash_copies or args.simulated_delay:
+    _check_checkpoints(args, mode)
+    if mode.stash_depth:
         _require(not getattr(args, "optimizer_cuda_graph", False),
-                 f"{_schedule_flag(args) if spec.stash_copies else '--simulated-delay'}: "
+                 f"{_schedule_flag(mode) if not mode.simulated else '--simulated-delay'}: "
                  "--optimizer-cuda-graph replays a captured optimizer step, which skips the weight stash's save "
                  "of the live weights and the delay correction's hooks (Python code a graph replay never runs), "
                  "and its capture synchronises the device between all-rank barriers")
-    _require(args.clip_grad_mode == "stage-local" or spec.run is not None,  # our runner clips stale-global
+    _require(args.clip_grad_mode == "stage-local" or mode.schedule.run is not None,  # our runner clips stale-global
              "--clip-grad-mode stale-global needs --pipeline-schedule 2bw")
-    if args.pipeline_schedule is None:
+    if mode.name is None:
         return args
     pp = args.pipeline_model_parallel_size
-    names = available_schedules()
-    _require(args.pipeline_schedule in names,
-             f"--pipeline-schedule {args.pipeline_schedule!r} is not registered; choose one of: {', '.join(names)}")
+    spec = mode.schedule
     if spec.run is not None:
         spec.check_flags(args)
     else:
         _require(spec.forward_backward_func is not None,
-                 f"--pipeline-schedule {args.pipeline_schedule!r} can only be simulated (megatron-async-simulate)")
+                 f"{_schedule_flag(mode)} can only be simulated (megatron-async-simulate)")
         from megatron_async.schedules.registry import megatron_schedule
 
         layout = megatron_layout(args)
         _require(spec.megatron_layout == layout,
-                 f"--pipeline-schedule {args.pipeline_schedule!r}: with --pipeline-model-parallel-size {pp} and "
+                 f"--pipeline-schedule {mode.name!r}: with --pipeline-model-parallel-size {pp} and "
                  f"{'' if args.virtual_pipeline_model_parallel_size else 'no '}virtual stages Megatron runs "
                  f"{megatron_schedule(layout)!r}")
     return args
@@ -272,37 +268,36 @@ def _check_low_precision(args: argparse.Namespace) -> None:
                             "would train in full precision without a word")
 
 
-def _check_simulated_delay(args: argparse.Namespace, delays: tuple) -> None:
-    pp, stages = args.pipeline_model_parallel_size, args.simulated_pipeline_stages
+def _check_simulated_delay(args: argparse.Namespace, mode: run_mode.RunMode) -> None:
+    pp, stages, delays = args.pipeline_model_parallel_size, mode.simulated_stages, mode.delays
     _require(stages >= 1, f"--simulated-pipeline-stages must be >= 1 (got {stages})")
     _require(len(delays) == 1 or len(delays) == stages,
              f"--simulated-delay lists {len(delays)} stage delays but --simulated-pipeline-stages is {stages}")
-    if args.simulated_delay:
-        _require(schedule_or_default(args.pipeline_schedule).run is None,
-                 f"--simulated-delay cannot be combined with {_schedule_flag(args)}, whose delay is real")
+    if max(delays) > 0:
+        _require(mode.schedule.run is None,
+                 f"--simulated-delay cannot be combined with {_schedule_flag(mode)}, whose delay is real")
         _require(pp == 1, f"--simulated-delay needs --pipeline-model-parallel-size 1 (got {pp}); "
                           "use --pipeline-schedule 2bw with PP > 1")
         _require(not args.calculate_per_token_loss,
                  "--simulated-delay does not support --calculate-per-token-loss (2bw cannot honour it either)")
     if stages > 1:
-        _require(args.simulated_delay > 0, "--simulated-pipeline-stages needs --simulated-delay")
+        _require(max(delays) > 0, "--simulated-pipeline-stages needs --simulated-delay")
         _require(args.num_layers % stages == 0,
                  f"--num-layers ({args.num_layers}) is not divisible by the {stages} stages of "
                  "--simulated-pipeline-stages / --simulated-delay")
 
 
-def _check_delay_correction(args: argparse.Namespace, delays: tuple) -> None:
+def _check_delay_correction(args: argparse.Namespace, mode: run_mode.RunMode) -> None:
     """A correction needs a delay to correct, and dc-asgd / predict model exactly one step."""
     name = args.delay_correction
     if name == "none":
         return
-    stashed = schedule_or_default(args.pipeline_schedule).stash_copies  # weight versions behind the live ones
-    _require(stashed or args.simulated_delay > 0, f"--delay-correction {name} needs a delayed gradient: "
-                                                  "--pipeline-schedule 2bw or --simulated-delay")
+    _require(mode.stash_depth > 0, f"--delay-correction {name} needs a delayed gradient: "
+                                   "--pipeline-schedule 2bw or --simulated-delay")
     if name in ("dc-asgd", "predict"):
-        _require(stashed == 1 or (not stashed and set(delays) == {1}),
+        _require(set(mode.delays) == {1} if mode.simulated else mode.stash_depth == 1,
                  f"--delay-correction {name} models a one-step delay (2bw, --simulated-delay 1); "
-                 f"got --simulated-delay {','.join(map(str, delays))}")
+                 f"got --simulated-delay {','.join(map(str, mode.delays))}")
     if name in ("ef", "dc-asgd", "nesterov"):  # they act on the torch optimizer's .grad and main parameters
         offload = " (which --optimizer-cpu-offload needs)" if getattr(args, "optimizer_cpu_offload", False) else ""
         _require(not getattr(args, "use_precision_aware_optimizer", False),
@@ -371,11 +366,10 @@ def check_2bw(args: argparse.Namespace) -> None:
     """What 2bw's runtime refuses (its ScheduleSpec.flag_checks), each naming the flag."""
     from megatron_async.schedules.gen_2bw import min_microbatches_2bw
 
-    from megatron_async.schedules.registry import get_schedule
-
     pp = args.pipeline_model_parallel_size
-    flag = _schedule_flag(args)
-    _require(pp > 1 or not get_schedule(args.pipeline_schedule).requires_pipeline,
+    mode = run_mode.of(args)
+    flag = _schedule_flag(mode)
+    _require(pp > 1 or not mode.schedule.requires_pipeline,
              f"{flag} needs --pipeline-model-parallel-size > 1 (at PP=1 use --simulated-delay 1)")
     m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     bound = min_microbatches_2bw(pp)
@@ -409,16 +403,15 @@ def check_2bw(args: argparse.Namespace) -> None:
         _require(not refused(getattr(args, name, None)), f"{flag}: {refused_flag} {why}")
 
 
-def _schedule_flag(args: argparse.Namespace) -> str:
+def _schedule_flag(mode: run_mode.RunMode) -> str:
     """How a message names the schedule the user picked."""
-    return f"--pipeline-schedule {args.pipeline_schedule}"
+    return f"--pipeline-schedule {mode.name}"
 
 
-def _check_checkpoints(args: argparse.Namespace) -> None:
+def _check_checkpoints(args: argparse.Namespace, mode: run_mode.RunMode) -> None:
     from megatron_async.megatron_lm.safety.resume_checks import check_checkpoints
 
-    check_checkpoints(args, stash=schedule_or_default(args.pipeline_schedule).stash_copies > 0
-                      or args.simulated_delay > 0)
+    check_checkpoints(args, stash=mode.stash_depth > 0)
 
 
 def _check_data(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ import importlib
 import torch
 
 from megatron_async import patch_table
-from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_run, runtime, setup_checks
+from megatron_async.megatron_lm.adapter import flags, megatron_asserts, plugin_run, run_mode, runtime, setup_checks
 from megatron_async.patch_table import Patch as Hook
 from megatron_async.patch_table import Scope
 from megatron_async.pipeline.non_finite import check_train_step, megatron_check_as_ours
@@ -108,10 +108,11 @@ def _get_megatron_optimizer(original):
             from megatron_async.megatron_lm.adapter.layout_invariant_init import init_by_global_name, megatron_like
 
             init_by_global_name(model_chunks, margs.seed, megatron_like(margs.init_method_std, margs.num_layers))
-        if margs.simulated_delay and margs.simulated_pipeline_stages > 1:
+        mode = run_mode.of(margs)
+        if mode.simulated and mode.simulated_stages > 1:
             from megatron_async.pipeline.grad_stats import clip_like_pipeline_stages
 
-            clip_like_pipeline_stages(model_chunks, margs.num_layers, margs.simulated_pipeline_stages)
+            clip_like_pipeline_stages(model_chunks, margs.num_layers, mode.simulated_stages)
         if margs.save:  # before any checkpoint is loaded or saved (megatron_lm/safety/save_lock.py)
             from megatron_async.megatron_lm.safety.save_lock import take_on_every_rank
 
@@ -210,8 +211,8 @@ def _training_log(original):
         run = plugin_run.current()
         if run is None:
             return original(*args, **kwargs)
-        runner = run.delayed.runner if run.delayed is not None else None
-        run.metrics.record_iteration(original, args, kwargs, runner)
+        pending = run.delayed.pending_sends() if run.delayed is not None else None
+        run.metrics.record_iteration(original, args, kwargs, pending)
         result = original(*args, **kwargs)
         run.metrics.record_routing(run.routing, args, kwargs)  # after Megatron's MoE report, which it reads
         return result
@@ -251,11 +252,8 @@ def _save_checkpoint(original):
             return original(iteration, *args, **kwargs)
         save = DelayedSave(delayed, root, iteration, persistent=not kwargs.get("non_persistent_ckpt", False))
         save.before_megatron_writes()
-        delayed.saving = save
-        try:
+        with delayed.saving(save):
             result = original(iteration, *args, **kwargs)
-        finally:
-            delayed.saving = None
         save.after_megatron_returned()
         return result
 
@@ -267,7 +265,7 @@ def _save_checkpoint(original):
 def _saving():
     """The delayed run's save under way (checkpoint/delayed_save.py), None outside one."""
     delayed = plugin_run.delayed()
-    return delayed.saving if delayed is not None else None
+    return delayed.save_under_way() if delayed is not None else None
 
 
 def _dist_checkpointing_save(original):
@@ -366,13 +364,10 @@ def _checkpoint_and_decide_exit(original):
 
         margs = get_args()
         delayed = plugin_run.delayed(margs)
-        agreement = delayed.stop if delayed is not None else None
         if original(model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
                     checkpointing_context, train_data_iterator):
             return True  # DelayedRun.finish settles the agreement
-        if agreement is None:
-            return False
-        code, posted = agreement.after_iteration(iteration, agreement.own_code(margs))
+        code, posted = delayed.agreed_stop(iteration) if delayed is not None else (0, None)
         if not code:
             return False
         from megatron.training import training
@@ -398,7 +393,7 @@ def _signals_received(original):
     @functools.wraps(original)
     def hooked(self):
         delayed = plugin_run.delayed()
-        if delayed is not None and delayed.stop is not None:
+        if delayed is not None and delayed.takes_over_signals():
             return [False]
         return original(self)
 
@@ -440,7 +435,7 @@ def _get_rng_state(original):
         from megatron_async.megatron_lm.checkpoint import saved_rng
 
         delayed = plugin_run.delayed()
-        snapshot = delayed.rng.for_save(delayed.step) if delayed is not None and delayed.runner is not None else None
+        snapshot = delayed.rng_for_save() if delayed is not None else None
         if snapshot is None:
             return original(*args, **kwargs)
         current = saved_rng.capture_rng()
@@ -533,14 +528,8 @@ def _moe_metrics_sync(original):
     @functools.wraps(original)
     def hooked(self, metric_names, pg_collection=None):
         delayed = plugin_run.delayed()
-        if delayed is None or delayed.rank_only_group is None:
-            return original(self, metric_names, pg_collection)
-        import copy
-        from types import SimpleNamespace
-
-        stage_only = copy.copy(pg_collection) if pg_collection is not None else SimpleNamespace()
-        stage_only.pp = delayed.rank_only_group
-        return original(self, metric_names, stage_only)
+        groups = delayed.moe_metrics_groups(pg_collection) if delayed is not None else pg_collection
+        return original(self, metric_names, groups)
 
     return hooked
 

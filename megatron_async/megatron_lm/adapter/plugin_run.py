@@ -61,22 +61,14 @@ def delayed(args=None):
     return run.delayed if run is not None else None
 
 
-def run_class(args):
-    """The class of this run's delayed mode: the one the schedule's spec names (TwoBWRun for
-    2bw), SimulatedDelayRun under --simulated-delay, None for a synchronous run."""
-    from megatron_async.megatron_lm.adapter.simulated_delay_run import SimulatedDelayRun
-    from megatron_async.schedules.registry import schedule_or_default
-
-    spec = schedule_or_default(args.pipeline_schedule)
-    return spec.run_class() or (SimulatedDelayRun if args.simulated_delay else None)
-
-
 def build_delayed_run(args, model_chunks, make_optimizer):
-    """This run's delayed mode, built whole by the optimizer hook around `make_optimizer()`
-    (Megatron's), or None for a synchronous run (then that call is the hook's to make)."""
-    from megatron_async.schedules.registry import schedule_or_default
+    """This run's delayed mode (run_mode.py), built whole by the optimizer hook around
+    `make_optimizer()` (Megatron's), or None for a synchronous run (then that call is the hook's
+    to make)."""
+    from megatron_async.megatron_lm.adapter import run_mode
 
-    cls = run_class(args)
+    mode = run_mode.of(args)
+    cls = mode.run_class()
     if cls is None:
         return None
-    return cls.build(args, schedule_or_default(args.pipeline_schedule), model_chunks, make_optimizer)
+    return cls.build(args, mode, model_chunks, make_optimizer)

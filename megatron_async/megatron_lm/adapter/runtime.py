@@ -13,6 +13,8 @@ norm, and keeps the delay.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state
 
@@ -50,23 +52,21 @@ class DelayedStepOptimizer:
         optimizer_state.load_state_dict(self, state_dict)
 
     def step(self):
-        from megatron.training import get_args
-
+        # the iteration Megatron's loop is in, on the run's own args (Megatron sets it before train_step)
         return delayed_optimizer_step(self.optimizer, self.stash, self.run.stale_norm, self.run.runner,
-                                      get_args().curr_iteration + 1, parallel_state.get_pipeline_model_parallel_rank())
+                                      self.run.args.curr_iteration + 1, parallel_state.get_pipeline_model_parallel_rank())
 
 
 class DelayedRun:
     """What both delayed modes hold in Megatron's loop: the weight stash, the optimizer and
     its delayed-step wrap that Megatron's loop steps, and what the checkpoint it resumed from
     holds. Made whole in the optimizer hook (megatron_lm/adapter/plugin_run.py), reached by the
-    hooks through `plugin_run.delayed()`; nothing of it lives in a module. The subclasses
-    answer the hooks' questions for their mode."""
+    hooks through `plugin_run.delayed()`; nothing of it lives in a module. What a hook asks of
+    it is a method whose default here is Megatron's own behaviour; a mode that does more
+    overrides it, so no hook asks whether a run has some part."""
 
-    runner = None  # the pipeline runner (2bw only)
+    runner = None  # the pipeline runner the delayed step drives (2bw only)
     stale_norm = None  # the stale global norm (2bw with --clip-grad-mode stale-global)
-    stop = None  # the stop agreement (2bw with --exit-signal-handler / --exit-duration-in-mins)
-    rank_only_group = None  # the "pipeline group" of Megatron's MoE metrics (2bw with MoE layers)
     embedding_copy_linked = False  # the last stage's word embeddings kept by the tied link (2bw)
 
     def __init__(self, args, model_chunks, optimizer, depth: int):
@@ -92,7 +92,8 @@ class DelayedRun:
         self.megatron_optimizer = DelayedStepOptimizer(
             optimizer, self, load_stash=bool(resumed.get(STASH_KEY)) and in_optimizer,
             load_stale_norm=bool(resumed.get(STALE_NORM_KEY)) and in_optimizer)
-        self.saving = None  # the save under way, while Megatron's save_checkpoint runs (checkpoint/delayed_save.py)
+        self.args = args  # Megatron's args of this run (its loop's iteration, curr_iteration)
+        self._save = None  # the save under way, while Megatron's save_checkpoint runs (checkpoint/delayed_save.py)
 
     def start_from_checkpoint(self, args) -> None:
         """Before the first step the stash holds the weights training starts from.
@@ -128,6 +129,41 @@ class DelayedRun:
     def forward_backward_func(self, megatron_forward_backward):
         """The function Megatron's loop calls once per iteration, given the one Megatron picked."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def saving(self, save):
+        """Megatron's save_checkpoint runs inside: `save` (a DelayedSave) is the save under way
+        for the hooks Megatron calls inside it (`save_under_way`)."""
+        self._save = save
+        try:
+            yield save
+        finally:
+            self._save = None
+
+    def save_under_way(self):
+        """The DelayedSave Megatron is running now, None outside a save."""
+        return self._save
+
+    def agreed_stop(self, iteration: int) -> tuple:
+        """After Megatron's own exit checks said go on: (the reason code every rank agreed to
+        stop at, the iteration it was seen after); (0, None) where Megatron's checks decide."""
+        return 0, None
+
+    def takes_over_signals(self) -> bool:
+        """Whether a stop agreement decides on Megatron's exit signal (its all-rank check then answers no)."""
+        return False
+
+    def rng_for_save(self):
+        """The RNG state a checkpoint saved now records, None for the process's own."""
+        return None
+
+    def moe_metrics_groups(self, pg_collection):
+        """The process groups Megatron's MoE metrics are reduced over."""
+        return pg_collection
+
+    def pending_sends(self):
+        """Point-to-point sends posted and not yet received, for --rank-stats-dir (None: none of ours)."""
+        return None
 
     def reduction_group(self, group):
         """The group of Megatron's model-parallel reductions in train_step and training_log."""

@@ -11,14 +11,14 @@ class SimulatedDelayRun(DelayedRun):
     per would-be stage with --simulated-delay D0,...,DP-1; the reference 2bw must equal."""
 
     @classmethod
-    def build(cls, args, spec, model_chunks, make_optimizer) -> "SimulatedDelayRun":
-        return cls(args, model_chunks, make_optimizer())
+    def build(cls, args, mode, model_chunks, make_optimizer) -> "SimulatedDelayRun":
+        return cls(args, mode, model_chunks, make_optimizer())
 
-    def __init__(self, args, model_chunks, optimizer):
+    def __init__(self, args, mode, model_chunks, optimizer):
         from megatron_async.stash.delay_reference import version_for_step
 
-        super().__init__(args, model_chunks, optimizer, depth=max(args.simulated_delay, 1))
-        delays = args.simulated_stage_delays or (args.simulated_delay,)
+        super().__init__(args, model_chunks, optimizer, depth=mode.stash_depth)
+        delays = mode.stage_delays or (mode.simulated_delay,)
         self.version_for = version_for_step(model_chunks, self.stash, delays, args.num_layers)
         self.started = False  # the stash starts from the loaded weights at the first step
 

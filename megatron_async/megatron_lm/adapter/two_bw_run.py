@@ -24,19 +24,19 @@ class TwoBWRun(DelayedRun):
     step are known). Its stages run up to a step apart: no collective spans them."""
 
     @classmethod
-    def build(cls, args, spec, model_chunks, make_optimizer) -> "TwoBWRun":
+    def build(cls, args, mode, model_chunks, make_optimizer) -> "TwoBWRun":
         # the run's groups before Megatron's optimizer, where every rank is (every rank takes part)
-        stop, rank_only_group = _stop_agreement(args), _rank_only_group(args)
-        return cls(args, spec, model_chunks, make_optimizer(), stop, rank_only_group)
+        stop, rank_only_group = _stop_agreement(args, mode), _rank_only_group(args)
+        return cls(args, mode, model_chunks, make_optimizer(), stop, rank_only_group)
 
-    def __init__(self, args, spec, model_chunks, optimizer, stop, rank_only_group):
+    def __init__(self, args, mode, model_chunks, optimizer, stop, rank_only_group):
         from megatron_async.pipeline.grad_stats import make_stage_local
 
         make_stage_local(optimizer, args.use_distributed_optimizer)
-        super().__init__(args, model_chunks, optimizer, depth=spec.stash_copies)
-        self.spec = spec
-        self.stop = stop
-        self.rank_only_group = rank_only_group
+        super().__init__(args, model_chunks, optimizer, depth=mode.stash_depth)
+        self.spec = mode.spec
+        self._stop = stop  # the stop agreement (--exit-signal-handler / --exit-duration-in-mins), or None
+        self._rank_only_group = rank_only_group  # the "pipeline group" of Megatron's MoE metrics, or None
         self.stale_norm = _stale_norm(args)
         self.embedding_copy_linked = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
         self.rng = RngSnapshots()  # the RNG state a checkpoint saves (checkpoint/saved_rng.py)
@@ -96,6 +96,31 @@ class TwoBWRun(DelayedRun):
     def interval_barrier_group(self):
         return stage_group()
 
+    def agreed_stop(self, iteration: int) -> tuple:
+        if self._stop is None:
+            return 0, None
+        return self._stop.after_iteration(iteration, self._stop.own_code(self.args))
+
+    def takes_over_signals(self) -> bool:
+        return self._stop is not None
+
+    def rng_for_save(self):
+        return self.rng.for_save(self.step) if self._runner is not None else None
+
+    def moe_metrics_groups(self, pg_collection):
+        """With MoE layers: this rank alone as the pipeline group, so the metrics stay inside the stage."""
+        if self._rank_only_group is None:
+            return pg_collection
+        import copy
+        from types import SimpleNamespace
+
+        stage_only = copy.copy(pg_collection) if pg_collection is not None else SimpleNamespace()
+        stage_only.pp = self._rank_only_group
+        return stage_only
+
+    def pending_sends(self):
+        return self._runner.pending_sends if self._runner is not None else None
+
     def drain(self) -> None:
         if self._runner is not None:
             self._runner.drain()
@@ -107,8 +132,8 @@ class TwoBWRun(DelayedRun):
         codes still posted (every rank stops after the same iteration, so all posted the same)."""
         if self._runner is not None:
             self._runner.finish()
-        if self.stop is not None:
-            self.stop.settle()
+        if self._stop is not None:
+            self._stop.settle()
 
     def abandon(self) -> None:
         """Training raised: this rank's posted sends were received by now unless a neighbour
@@ -132,10 +157,10 @@ def _stale_norm(args):
     return StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
 
 
-def _stop_agreement(args):
-    """With --exit-signal-handler or --exit-duration-in-mins: the group every rank agrees on its
-    stop iteration over (pipeline/stop_agreement.py)."""
-    if not (args.exit_signal_handler or args.exit_duration_in_mins):
+def _stop_agreement(args, mode):
+    """With --exit-signal-handler or --exit-duration-in-mins (the mode's agreed stop): the group
+    every rank agrees on its stop iteration over (pipeline/stop_agreement.py)."""
+    if not mode.agreed_stop:
         return None
     from megatron_async.pipeline.stop_agreement import StopAgreement
 

@@ -52,15 +52,17 @@ def contents_to_save(run) -> dict:
     from megatron.training import get_args
 
     from megatron_async.corrections.delay_correction import RULES
+    from megatron_async.megatron_lm.adapter import run_mode
     from megatron_async.megatron_lm.checkpoint.side_files import layout
 
     args = get_args()
+    mode = run_mode.of(args)
     if args.no_save_optim:
         return {}
     return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
             "delay_correction_rule": args.delay_correction,
             STALE_NORM_KEY: run.stale_norm is not None,
-            "pipeline_schedule": args.pipeline_schedule, "simulated_delay": args.simulated_delay,
+            "pipeline_schedule": mode.name, "simulated_delay": mode.simulated_delay,
             "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
             # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
             "embedding_copy_linked": run.embedding_copy_linked,

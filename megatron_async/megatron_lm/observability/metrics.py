@@ -52,7 +52,7 @@ class MetricsRecorder:
             self.file = open_for_run(margs.metrics_json, margs.iteration)
         return self.file
 
-    def _rank_stats(self, iteration: int, seconds, runner) -> None:
+    def _rank_stats(self, iteration: int, seconds, pending_sends) -> None:
         """--rank-stats-dir: every rank's own pace, RSS and pending sends (no collective)."""
         from megatron.training import get_args
 
@@ -68,14 +68,14 @@ class MetricsRecorder:
         if seconds is not None:
             self.rank_stats.iteration(seconds)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            extra = {"pending_sends": runner.pending_sends} if runner is not None else {}
+            extra = {"pending_sends": pending_sends} if pending_sends is not None else {}
             self.rank_stats.flush(iteration, **extra)
 
     def start_clock(self) -> None:
         """Megatron's train starts: the first iteration's seconds, a resumed run's included, count from here."""
         self.started = time.perf_counter()
 
-    def record_iteration(self, training_log, args, kwargs, runner=None) -> None:
+    def record_iteration(self, training_log, args, kwargs, pending_sends=None) -> None:
         if self.signature is None:
             self.signature = inspect.signature(training_log)
         bound = self.signature.bind(*args, **kwargs).arguments
@@ -83,7 +83,7 @@ class MetricsRecorder:
         since = self.last if self.last is not None else self.started
         seconds = now - since if since is not None else None
         # the ranks' steady pace leaves out the first iteration, whose seconds hold its warm-up
-        self._rank_stats(bound["iteration"], now - self.last if self.last is not None else None, runner)
+        self._rank_stats(bound["iteration"], now - self.last if self.last is not None else None, pending_sends)
         self.last = now
         out = self._writer()
         if out is None:
@@ -140,12 +140,13 @@ class MetricsRecorder:
         if plot_path:
             from megatron.training import get_args
 
+            from megatron_async.megatron_lm.adapter import run_mode
             from megatron_async.megatron_lm.observability.loss_plot import plot_losses
 
             args = get_args()
             records = read_records(args.metrics_json)
             train = [(r["iteration"], r["lm_loss"]) for r in records if r.get("lm_loss") is not None]
             valid = [(r["iteration"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-            schedule = args.pipeline_schedule or "megatron"
+            schedule = run_mode.of(args).name or "megatron"
             plot_losses(plot_path, train, valid, title=f"GPT {args.num_layers}L/{args.hidden_size}H, {schedule}, "
                                                        f"{args.optimizer}")

@@ -87,9 +87,12 @@ def check_checkpoints(args: argparse.Namespace, stash: bool) -> None:
                   "and does not use it", flush=True)
         return
     # versions the stash keeps: the delay, or 1 for 2bw (whose marker says simulated_delay 0)
-    saved_depth, depth = max(int(held.get("simulated_delay") or 0), 1), max(args.simulated_delay, 1)
+    from megatron_async.megatron_lm.adapter import run_mode
+
+    mode = run_mode.of(args)
+    saved_depth, depth = max(int(held.get("simulated_delay") or 0), 1), mode.stash_depth
     _require(saved_depth == depth,
-             f"--simulated-delay {args.simulated_delay}: the checkpoint in {where} keeps the weights of "
+             f"--simulated-delay {mode.simulated_delay}: the checkpoint in {where} keeps the weights of "
              f"{saved_depth} earlier step(s) for a delay of {saved_depth}, this run needs {depth}; "
              f"resume with a delay of {saved_depth}")
     _check_correction_state(args, held)

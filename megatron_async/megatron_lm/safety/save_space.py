@@ -85,15 +85,12 @@ def bytes_per_parameter(args) -> int:
 
 
 def stash_copies(args) -> int:
-    """Copies of the weights the stash holds beside the live ones: the schedule's
-    (ScheduleSpec.stash_copies: one under 2bw), K under --simulated-delay K, two with weight
-    prediction; none for a synchronous run."""
-    from megatron_async.schedules.registry import schedule_or_default
+    """Copies of the weights the stash holds beside the live ones (run_mode.RunMode.stash_copies):
+    one under 2bw, K under --simulated-delay K, two with weight prediction; none for a
+    synchronous run."""
+    from megatron_async.megatron_lm.adapter import run_mode
 
-    copies = max(schedule_or_default(args.pipeline_schedule).stash_copies, args.simulated_delay)
-    if not copies:
-        return 0
-    return 2 if args.delay_correction == "predict" else copies
+    return run_mode.of(args).stash_copies
 
 
 @dataclass
