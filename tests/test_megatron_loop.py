@@ -67,16 +67,42 @@ def _assert_same(a, b, rtol=RTOL):
         assert abs(x - y) <= rtol * abs(y), f"iteration {i}: {x} vs {y}"
 
 
+def _pp1_twin(tmp_path, extra: list) -> list:
+    """The simulated-delay twin at PP=1, once per module for the tests that compare against it."""
+    key = ("pp1", tuple(extra))
+    if key not in _TWINS:
+        _TWINS[key] = _losses(tmp_path, "twin", 1, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
+    return list(_TWINS[key])
+
+
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
     extra = OPTIMIZERS[optimizer]
-    twin = _losses(tmp_path, "twin", 1, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
+    twin = _pp1_twin(tmp_path, extra)
     two_bw = _losses(tmp_path, "2bw", 2, extra + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"])
     _assert_same(two_bw, twin)
     if optimizer == "adam":  # negative control: the comparison fails against synchronous training
         sync = _losses(tmp_path, "sync", 1, extra)
         with pytest.raises(AssertionError):
             _assert_same(two_bw, sync)
+
+
+def test_a_schedule_registered_with_its_own_generator_trains_its_lists_against_the_twin(tmp_path):
+    """The registry is what runs: a schedule a test registers with 2bw's runtime and a generator of
+    its own (tests/support/registered_schedule_entry.py: 2bw's deeper warm-up, other lists at 2bw's
+    versions) is streamed by the runner on every rank and trains its twin's trajectory. Control:
+    its lists are not 2bw's."""
+    from megatron_async.schedules.generators import two_bw
+    from tests.support.registered_schedule_entry import NAME, deep_warmup
+
+    m = 4  # --global-batch-size / --micro-batch-size
+    assert deep_warmup(2, m, 3) != two_bw(2, m, 3)
+    log = tmp_path / "generator.log"
+    proc, metrics = _run(tmp_path, "registered", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", NAME],
+                         module="tests.support.registered_schedule_entry", env={"REGISTERED_SCHEDULE_LOG": str(log)})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert sorted(line.split()[0] for line in log.read_text().splitlines()) == ["0", "1"]
+    _assert_same(_logged_losses(metrics), _pp1_twin(tmp_path, OPTIMIZERS["adam"]))
 
 
 # bf16 rounds differently at PP=1 and PP=2: the same runs without the overlaps differ by up to 3e-5.

@@ -26,9 +26,8 @@ def test_registry_returns_generators(name, function):
 
 
 def test_registry_flags():
-    assert get_schedule("2bw").asynchronous and get_schedule("2bw").requires_pipeline
-    assert get_schedule("pipedream").asynchronous
-    assert not get_schedule("gpipe").asynchronous and not get_schedule("1f1b").asynchronous
+    assert get_schedule("2bw").requires_pipeline and get_schedule("2bw").weight_versions == 2
+    assert get_schedule("gpipe").weight_versions == 1 and get_schedule("1f1b").run is None
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

@@ -66,7 +66,7 @@ def registered():
     from megatron_async.schedules.registry import available_schedules, register_schedule, unregister_schedule
 
     register_schedule(NEW, description="a test's schedule", generator="megatron_async.schedules.generators:two_bw",
-                      requires_pipeline=True, asynchronous=True, **TWO_BW_RUNTIME)
+                      requires_pipeline=True, **TWO_BW_RUNTIME)
     yield NEW
     unregister_schedule(NEW)
     assert NEW not in available_schedules()

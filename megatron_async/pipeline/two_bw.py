@@ -1,7 +1,7 @@
 """PipeDream-2BW on a Megatron model: the `2bw` schedule's runtime.
 
-Streams this stage's action list from the `2bw` generator one batch at a time
-(schedules/stream_2bw.py), and holds the weight stash (two versions), the
+Streams this stage's action list from its schedule's generator one batch at a time
+(the spec's stream, schedules/stream_2bw.py for 2bw), and holds the weight stash (two versions), the
 point-to-point links and the executor; exposes `train_step(t, data_for)`,
 `evaluate_iterators(...)`, `finish()` to Megatron's loop (through
 megatron_lm/adapter/two_bw_run.TwoBWRun). At each OptimizerStep it finalises the
@@ -29,7 +29,6 @@ from megatron_async.pipeline.stale_global import StaleGlobalNorm
 from megatron_async.pipeline.tied_embeddings import link_for, ties_across_stages
 from megatron_async.pipeline.weight_caches import disable_first_microbatch_caches
 from megatron_async.schedules.gen_forward_only import forward_only
-from megatron_async.schedules.stream_2bw import TwoBWStream
 
 
 class TwoBWRunner(StageEvents):
@@ -38,13 +37,15 @@ class TwoBWRunner(StageEvents):
     def __init__(
         self,
         context: StageContext,
+        stream_for: Callable,
         num_batches: int,
         start_batch: int = 0,
         finalize_grads: Callable[[], None] | None = None,
         stale_norm: StaleGlobalNorm | None = None,
         on_batch_start: Callable[[int], None] | None = None,
     ):
-        """`finalize_grads`: Megatron's finalize_model_grads (default DDP's finish_grad_sync);
+        """`stream_for(num_stages, microbatches, batches, first_batch=)`: the schedule's lists,
+        one batch at a time (its ScheduleSpec.stream_for); `finalize_grads`: Megatron's finalize_model_grads (default DDP's finish_grad_sync);
         `stale_norm`: the stale global norm of --clip-grad-mode stale-global (None: each
         stage clips by its own norm); `on_batch_start(b)`: before this stage's first
         forward of batch b (the RNG snapshot a checkpoint saves)."""
@@ -56,9 +57,9 @@ class TwoBWRunner(StageEvents):
         self.stale_norm = stale_norm
         self.stash = context.stash
         self.on_batch_start = on_batch_start
-        # the 2bw lists, one batch at a time (start-up and memory independent of the run's length)
+        # the schedule's lists, one batch at a time (start-up and memory independent of the run's length)
         # at least one batch: a run resumed at its last iteration only evaluates, and never takes a step
-        stream = TwoBWStream(self.links.num_stages, self.m, max(num_batches - start_batch, 1), first_batch=start_batch)
+        stream = stream_for(self.links.num_stages, self.m, max(num_batches - start_batch, 1), first_batch=start_batch)
         self._loss_flag: LossFlag | None = None  # batch t's losses, checked after OptimizerStep(t)
         disable_first_microbatch_caches([self.model])  # before the first forward: TE's fp8 weight cache
         # tied embeddings: the first and last stage's own link (a collective to create: every rank)

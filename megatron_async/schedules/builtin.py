@@ -12,6 +12,7 @@ NO_PIPELINE, PIPELINE, VIRTUAL_PIPELINE = "no pipeline", "pipeline", "virtual pi
 # runtime registers these too)
 TWO_BW_RUNTIME = dict(
     runtime="megatron_async.pipeline.two_bw:TwoBWRunner",
+    stream="megatron_async.schedules.stream_2bw:TwoBWStream",
     run="megatron_async.megatron_lm.adapter.two_bw_run:TwoBWRun",
     weight_versions=2,
     flag_checks="megatron_async.megatron_lm.adapter.flags:check_2bw",
@@ -50,14 +51,12 @@ BUILTIN_SCHEDULES = {
         # simulated and validated; the runtime does not run combined steps, and check_2bw refuses the flag
         ep_overlap_generator=_GEN + "two_bw_paired",
         requires_pipeline=True,
-        asynchronous=True,
         **TWO_BW_RUNTIME,
     ),
     "pipedream": dict(
         description="PipeDream: a step per microbatch, weight stashing, delay p-1-s at stage s",
         generator=_GEN + "pipedream",
         requires_pipeline=True,
-        asynchronous=True,
     ),
     "zb-h1": dict(
         description="Zero bubble H1: 1F1B with the backward split into input and weight gradients "

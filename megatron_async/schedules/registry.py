@@ -32,8 +32,10 @@ class ScheduleSpec:
     # refuses the flag in its flag_checks
     ep_overlap_generator: FuncRef = None
     runtime: FuncRef = None  # a persistent pipeline runner class (asynchronous schedules such as 2bw)
+    # the class that hands `runtime` this schedule's lists one batch at a time: (num_stages,
+    # num_microbatches, num_batches, first_batch=, generator=) -> .actions(stage), .segment(stage, b)
+    stream: FuncRef = None
     requires_pipeline: bool = False  # True: only meaningful with PP > 1
-    asynchronous: bool = False  # True: weights are updated without a pipeline flush (delayed gradients)
     run: FuncRef = None  # the class that drives `runtime` in Megatron's loop: built by the optimizer hook
     weight_versions: int = 1  # weight versions a stage keeps: the live ones, plus a stash of the others
     flag_checks: FuncRef = None  # (args) -> None: refuses, naming the flag, what the runtime cannot honour
@@ -53,6 +55,12 @@ class ScheduleSpec:
         """This schedule's action-list generator; with `ep_overlap`, the one for Megatron's
         --overlap-moe-expert-parallel-comm (combined steps). None: it has none."""
         return _resolve(self.ep_overlap_generator if ep_overlap else self.generator)
+
+    def stream_for(self, num_stages: int, num_microbatches: int, num_batches: int, first_batch: int = 0):
+        """The lists `runtime` executes for a run of `num_batches` batches from `first_batch`:
+        this schedule's generator, streamed by its `stream` class."""
+        return _resolve(self.stream)(num_stages, num_microbatches, num_batches, first_batch=first_batch,
+                                     generator=self.action_generator())
 
     def run_class(self) -> Optional[Callable]:
         """The class that trains this schedule in Megatron's loop (None: Megatron's own function)."""
@@ -122,15 +130,6 @@ def get_forward_backward_func(name: str) -> Callable:
     return func
 
 
-def get_runtime(name: str) -> Callable:
-    """The persistent runner class of an asynchronous schedule (e.g. `2bw`)."""
-    spec = get_schedule(name)
-    runtime = _resolve(spec.runtime)
-    if runtime is None:
-        raise ValueError(f"pipeline schedule {name!r} has no persistent runtime")
-    return runtime
-
-
 def schedule_or_default(name: Optional[str]) -> ScheduleSpec:
     """The spec of `--pipeline-schedule name`, or MEGATRON_DEFAULT for none and for a name not
     registered (the flag check refuses those, naming the flag)."""
@@ -141,12 +140,6 @@ def schedule_or_default(name: Optional[str]) -> ScheduleSpec:
 def megatron_schedule(layout: str) -> Optional[str]:
     """The registered name of the function Megatron runs for `layout`."""
     return next((name for name in available_schedules() if _REGISTRY[name].megatron_layout == layout), None)
-
-
-def is_runnable(name: str) -> bool:
-    """True if the trainer can run `name` (a Megatron function or our run class)."""
-    spec = get_schedule(name)
-    return spec.forward_backward_func is not None or spec.run is not None
 
 
 def get_schedule_generator(name: str, ep_overlap: bool = False) -> Callable:

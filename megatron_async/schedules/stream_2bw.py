@@ -61,13 +61,14 @@ def split_segments(actions: list[Action]) -> tuple[list[list[Action]], list[Acti
 
 class TwoBWStream:
     """The 2bw lists of a run of `batches` batches, numbered from `first_batch` (a
-    resumed run), one segment at a time; nothing is built for the whole run. `paired`:
-    the lists with combined forward-backward steps (gen_2bw_paired)."""
+    resumed run), one segment at a time; nothing is built for the whole run. `generator`:
+    a schedule's own generator of lists with 2bw's versions and no flush (default: 2bw's;
+    `paired`: the lists with combined forward-backward steps, gen_2bw_paired)."""
 
     def __init__(self, num_stages: int, microbatches: int, batches: int, first_batch: int = 0,
-                 paired: bool = False):
+                 paired: bool = False, generator=None):
         self.p, self.m, self.n, self.first = num_stages, microbatches, batches, first_batch
-        generator = two_bw_paired if paired else two_bw
+        generator = generator or (two_bw_paired if paired else two_bw)
         template = generator(num_stages, microbatches, min(batches, TEMPLATE_BATCHES))
         self._pieces = [split_segments(actions) for actions in template]
 

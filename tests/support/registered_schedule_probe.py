@@ -16,18 +16,18 @@ def main(argv: list) -> None:
     from megatron_async.check_flags import check, prepare
     from megatron_async.planning import plan
     from megatron_async.schedules.builtin import TWO_BW_RUNTIME
-    from megatron_async.schedules.registry import get_runtime, get_schedule, register_schedule
+    from megatron_async.schedules.registry import get_schedule, register_schedule
     prepare()
     base = json.loads(argv[0])
     found = {}
     for name, asynchronous in (("throwaway-async", True), ("throwaway-sync", False)):
         runtime = TWO_BW_RUNTIME if asynchronous else {"runtime": TWO_BW_RUNTIME["runtime"]}
         register_schedule(name, description="a test's schedule", generator="megatron_async.schedules.generators:two_bw",
-                          requires_pipeline=True, asynchronous=asynchronous, **runtime)
+                          requires_pipeline=True, **runtime)
         flags = base + ["--pipeline-schedule", name]
         found[name] = {"plain": check(flags, 2, cpu_flags=True), "refused_flag": check(flags + ["--log-params-norm"], 2,
                        cpu_flags=True), "delayed": get_schedule(name).run_class() is not None,
-                       "runtime": get_runtime(name).__name__}
+                       "runtime": get_schedule(name).runner_class().__name__}
     for name in ("throwaway-async", "1f1b"):
         path = os.path.join(tempfile.mkdtemp(), "plan.json")
         with contextlib.redirect_stdout(io.StringIO()):

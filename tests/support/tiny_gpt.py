@@ -236,7 +236,8 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
             from megatron_async.pipeline.stale_global import StaleGlobalNorm
 
             stale_norm = StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
-        runner = SelfSteppingRunner(context, optimizer, spec.planned_iterations or iterations, stale_norm=stale_norm)
+        runner = SelfSteppingRunner(context, two_bw.stream_for, optimizer, spec.planned_iterations or iterations,
+                                    stale_norm=stale_norm)
         data_for = microbatch_data(microbatch_getter(spec, num_micro))
         for iteration in range(iterations):
             reports, (update_ok, _norm, _) = runner.train_step(iteration, data_for)

@@ -13,8 +13,8 @@ from megatron_async.pipeline.two_bw import TwoBWRunner
 class SelfSteppingRunner(TwoBWRunner):
     """TwoBWRunner whose OptimizerStep(t) also steps `optimizer` (the one delayed step)."""
 
-    def __init__(self, context, optimizer, num_batches: int, **kwargs):
-        super().__init__(context, num_batches, **kwargs)
+    def __init__(self, context, stream_for, optimizer, num_batches: int, **kwargs):
+        super().__init__(context, stream_for, num_batches, **kwargs)
         self.optimizer = optimizer
 
     def optimizer_step(self, step: int):

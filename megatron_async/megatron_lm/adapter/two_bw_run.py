@@ -69,7 +69,7 @@ class TwoBWRun(DelayedRun):
         context = stage_context(model_chunk, self.stash, forward_step_func, get_num_microbatches(),
                                 _activation_shape(args, config), config.pipeline_dtype or args.params_dtype)
         return self.spec.runner_class()(
-            context, args.train_iters, start_batch=args.iteration,
+            context, self.spec.stream_for, args.train_iters, start_batch=args.iteration,
             finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
             stale_norm=self.stale_norm, on_batch_start=self.rng.snapshot)
 
