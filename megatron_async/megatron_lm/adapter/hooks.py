@@ -50,9 +50,9 @@ def _validate_args(original):
 
     @functools.wraps(original)
     def hooked(args, *rest, **kwargs):
-        global _held_dumps
         flags.validate_first(args)  # what Megatron would only assert, without a word
-        _held_dumps = held = []
+        held = []
+        setattr(args, HELD_DUMPS_ATTR, held)
         try:
             with megatron_asserts.as_flag_errors(args):
                 result = original(args, *rest, **kwargs)
@@ -60,7 +60,7 @@ def _validate_args(original):
             flags.validate(args)
             setup_checks.check_setup(args)
         finally:
-            _held_dumps = None
+            delattr(args, HELD_DUMPS_ATTR)
         for dump in held:
             dump()
         return result
@@ -68,7 +68,8 @@ def _validate_args(original):
     return hooked
 
 
-_held_dumps = None  # while validate_args runs: Megatron's argument dumps, printed once our checks pass
+# on Megatron's args while its validate_args runs: its argument dumps, printed once our checks pass
+HELD_DUMPS_ATTR = "megatron_async_held_dumps"
 
 
 def _print_args(original):
@@ -77,9 +78,10 @@ def _print_args(original):
 
     @functools.wraps(original)
     def hooked(title, args):
-        if _held_dumps is None:
+        held = getattr(args, HELD_DUMPS_ATTR, None)
+        if held is None:
             return original(title, args)
-        _held_dumps.append(functools.partial(original, title, args))
+        held.append(functools.partial(original, title, args))
         return None
 
     return hooked
