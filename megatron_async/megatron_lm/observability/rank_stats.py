@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from megatron_async.megatron_lm.observability.malloc_heap import heap_mb
 from megatron_async.megatron_lm.observability.records import json_line
 
 
@@ -19,7 +20,8 @@ def rss_mb() -> float:
 
 
 class RankStats:
-    """`DIR/rank<R>.jsonl`, one record per log interval: mean s/iter, RSS, extras.
+    """`DIR/rank<R>.jsonl`, one record per log interval: mean s/iter, RSS, malloc's bytes
+    in use and free (malloc_heap.py: what tells a leak from kept free memory), extras.
 
     Every rank writes its own file and nothing is gathered, so a slow or growing
     rank shows up without a collective (which under 2bw would span stages).
@@ -42,7 +44,7 @@ class RankStats:
         if not self._file or not self._seconds:
             return
         record = dict(iteration=iteration, s_per_iter=sum(self._seconds) / len(self._seconds),
-                      rss_mb=round(rss_mb(), 1), **extra)
+                      rss_mb=round(rss_mb(), 1), **heap_mb(), **extra)
         self._seconds = []
         self._file.write(json_line(record))
         self._file.flush()
