@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_async.megatron_lm.observability.malloc_heap import heap_mb
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -40,6 +42,8 @@ def test_quick_soak_reports_pace_memory_and_bounded_sends(tmp_path, small_corpus
         assert rank["s_per_iter_early"] > 0 and rank["s_per_iter_late"] > 0
         assert rank["rss_mb_at_settle"] > 0
         assert max(rank["pending_sends"]) <= 4 * 4  # two batches of sends at m = 4
+        if heap_mb():  # glibc: malloc's bytes in use and free, next to RSS
+            assert rank["heap_in_use_mb_at_settle"] > 0 and rank["heap_free_mb_max_after"] >= 0
 
 
 def test_quick_schedule_startup_reports_both_ways(tmp_path):
