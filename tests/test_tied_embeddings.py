@@ -214,6 +214,7 @@ def _pair_group_entry(rank, world_size):
     receive, send), and no collective makes a communicator nothing uses."""
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from megatron_async.pipeline import p2p
     from megatron_async.pipeline.tied_embeddings import TiedEmbeddings
@@ -232,7 +233,7 @@ def _pair_group_entry(rank, world_size):
     for name in originals:
         setattr(dist, name, recording(name))
     try:
-        group = p2p.first_last_group()
+        group = p2p.first_last_group(parallel_state.get_pipeline_model_parallel_group())
         if group is not None:
             weight = torch.zeros(3)
             TiedEmbeddings(weight, weight, group, 3 if rank == 0 else 0, rank == 0).connect()

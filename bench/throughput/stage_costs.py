@@ -43,7 +43,9 @@ def stage_timing_rank(rank: int, world_size: int, spec, warmup: int, reps: int) 
     from tests.support.tiny_gpt import build, microbatches
 
     model, optimizer, _ = build(spec)
-    make_stage_local(optimizer, False)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    make_stage_local(optimizer, False, ProcessGroupCollection.use_mpu_process_groups())
     chunk = model[0]
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()

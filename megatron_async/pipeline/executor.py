@@ -27,7 +27,6 @@ import contextlib
 from typing import Callable, Iterable, Iterator, Optional
 
 from megatron.core.pipeline_parallel import schedules
-from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from megatron_async.pipeline.p2p import PendingSends, post_run
@@ -86,7 +85,7 @@ class StageExecutor:
         self.is_first = links.stage == 0
         self.is_last = links.stage == links.num_stages - 1
         self.config = get_model_config(model)
-        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_size = context.groups.cp.size()
         self._received: dict = {}
         self._outgoing: dict = {}
         self._inflight: dict = {}  # microbatch -> (input tensor, output tensor or loss)

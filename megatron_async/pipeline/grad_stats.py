@@ -23,8 +23,6 @@ Clipping with `--clip-grad` then uses the stage's own gradient norm
 
 from __future__ import annotations
 
-from megatron.core import parallel_state
-
 from megatron_async import patch_table
 from megatron_async.patch_table import Patch, Scope
 
@@ -33,18 +31,19 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def stage_local_group(distributed: bool, expert: bool = False):
-    """Ranks of this stage over which a (sub-)optimizer's gradient statistics sum.
+def stage_local_group(groups, distributed: bool, expert: bool = False):
+    """Ranks of this stage (of the run's process groups, Megatron-Core's ProcessGroupCollection)
+    over which a (sub-)optimizer's gradient statistics sum.
 
     Expert weights differ across expert-parallel ranks, so their statistics also
     sum over those (Megatron's expert sub-optimizer is built apart for this); with
     the distributed optimizer every rank of the stage holds its own shard of both.
     """
     if distributed:
-        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        return groups.tp_dp_cp
     if expert:
-        return parallel_state.get_expert_tensor_and_model_parallel_group()
-    return parallel_state.get_tensor_model_parallel_group()
+        return groups.tp_ep
+    return groups.tp
 
 
 def _holds_expert_weights(sub) -> bool:
@@ -58,12 +57,12 @@ def _is_layer_wise(optimizer) -> bool:
     return isinstance(optimizer, LayerWiseDistributedOptimizer)
 
 
-def make_stage_local(optimizer, distributed: bool) -> list:
+def make_stage_local(optimizer, distributed: bool, groups) -> list:
     """Returns what it patched (patch_table.restore undoes it)."""
     layer_wise = _is_layer_wise(optimizer)
-    group = stage_local_group(distributed or layer_wise)
+    group = stage_local_group(groups, distributed or layer_wise)
     for sub in _sub_optimizers(optimizer):
-        sub.grad_stats_parallel_group = stage_local_group(distributed or layer_wise, _holds_expert_weights(sub))
+        sub.grad_stats_parallel_group = stage_local_group(groups, distributed or layer_wise, _holds_expert_weights(sub))
     installed: list = []
     if layer_wise:
         patch_table.install((STAGE_LOCAL_STATISTICS,), installed, objects={"<optimizer>": optimizer})

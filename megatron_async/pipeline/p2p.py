@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_async.schedules.actions import RecvActivation, SendActivation, SendGrad
 
@@ -38,36 +37,36 @@ class StageLinks:
         raise ValueError(f"stage {self.stage} has no neighbour stage {peer_stage}")
 
 
-def stage_links(group: Optional[dist.ProcessGroup] = None) -> StageLinks:
-    """Links over Megatron's pipeline group (or a duplicate of it, for another channel)."""
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    size = parallel_state.get_pipeline_model_parallel_world_size()
+def stage_links(pp_group: dist.ProcessGroup, group: Optional[dist.ProcessGroup] = None) -> StageLinks:
+    """Links over the pipeline group `pp_group` (or `group`, a duplicate of it for another channel)."""
+    ranks = dist.get_process_group_ranks(pp_group)
+    stage, size = ranks.index(dist.get_rank()), len(ranks)
     return StageLinks(
         stage=stage,
         num_stages=size,
-        prev_rank=parallel_state.get_pipeline_model_parallel_prev_rank() if stage > 0 else None,
-        next_rank=parallel_state.get_pipeline_model_parallel_next_rank() if stage < size - 1 else None,
-        group=group if group is not None else parallel_state.get_pipeline_model_parallel_group(),
+        prev_rank=ranks[stage - 1] if stage > 0 else None,
+        next_rank=ranks[stage + 1] if stage < size - 1 else None,
+        group=group if group is not None else pp_group,
     )
 
 
-def duplicate_pipeline_group(backend: str | None = None) -> dist.ProcessGroup:
+def duplicate_pipeline_group(pp_group: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:
     """A second group over each pipeline's ranks (collective: every rank must call it);
     `backend="gloo"`: a host group, for CPU scalars that must not become device work."""
     mine = None
-    for ranks in _all_pipeline_groups():
+    for ranks in _all_pipeline_groups(pp_group):
         group = dist.new_group(ranks, backend=backend)
         if dist.get_rank() in ranks:
             mine = group
     return mine
 
 
-def first_last_group() -> dist.ProcessGroup:
+def first_last_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A group over each pipeline's first and last rank (collective: every rank must call
     it), for tied embeddings (pipeline/tied_embeddings.py); None on the stages between.
     Its pair's communicator is made by the link's first contact (TiedEmbeddings.connect)."""
     mine = None
-    for ranks in _all_pipeline_groups():
+    for ranks in _all_pipeline_groups(pp_group):
         pair = [ranks[0], ranks[-1]]
         group = dist.new_group(pair)
         if dist.get_rank() in pair:
@@ -75,9 +74,9 @@ def first_last_group() -> dist.ProcessGroup:
     return mine
 
 
-def _all_pipeline_groups() -> list[list[int]]:
+def _all_pipeline_groups(pp_group: dist.ProcessGroup) -> list[list[int]]:
     """Every pipeline's global ranks, identical on all ranks (gathered once at setup)."""
-    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    mine = dist.get_process_group_ranks(pp_group)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return sorted({tuple(r) for r in gathered})

@@ -2,8 +2,9 @@
 
 The runner (pipeline/two_bw.py) and the executors it makes (pipeline/executor.py), one
 for training and one per evaluation, all run the same stage: its model chunk, the links
-to its neighbour stages, its weight stash, Megatron's forward step and the shape of what
-stages send each other. An evaluation runs the same stage on links of its own
+to its neighbour stages, its weight stash, Megatron's forward step, the shape of what
+stages send each other and the run's process groups, which the pipeline code reads from
+here rather than from Megatron's global parallel state. An evaluation runs the same stage on links of its own
 (`dataclasses.replace(context, links=...)`).
 """
 
@@ -28,11 +29,12 @@ class StageContext:
     activation_shape: tuple  # what a stage sends its neighbour
     dtype: torch.dtype  # and in which dtype
     device: torch.device  # where the stage computes
+    groups: object  # the run's process groups (Megatron-Core's ProcessGroupCollection: pp, cp, ...)
 
 
 def stage_context(model: torch.nn.Module, stash: WeightStashManager, forward_step_func: Callable,
-                  num_microbatches: int, activation_shape: tuple, dtype: torch.dtype,
+                  num_microbatches: int, activation_shape: tuple, dtype: torch.dtype, groups,
                   links: Optional[StageLinks] = None) -> StageContext:
-    """This rank's stage over Megatron's pipeline group (or `links`), on its model's device."""
-    return StageContext(model, links if links is not None else stage_links(), stash, forward_step_func,
-                        num_microbatches, activation_shape, dtype, next(model.parameters()).device)
+    """This rank's stage over the pipeline group of `groups` (or `links`), on its model's device."""
+    return StageContext(model, links if links is not None else stage_links(groups.pp), stash, forward_step_func,
+                        num_microbatches, activation_shape, dtype, next(model.parameters()).device, groups)

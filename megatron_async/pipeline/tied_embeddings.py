@@ -171,40 +171,36 @@ def _language_model(model):
     return get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
 
 
-def ties_across_stages(model) -> bool:
+def ties_across_stages(model, pp_group) -> bool:
     """Whether the last stage holds a copy of the first stage's word embeddings (tied
-    output weights, or multi-token prediction's embedding), over a pipeline of 2 or more
-    stages: the same answer on every rank."""
-    from megatron.core import parallel_state
-
+    output weights, or multi-token prediction's embedding), over a pipeline (`pp_group`) of 2
+    or more stages: the same answer on every rank."""
     inner = _language_model(model)
     shares = getattr(inner, "share_embeddings_and_output_weights", False)
     mtp = getattr(getattr(inner, "config", None), "mtp_num_layers", None)
-    return bool(shares or mtp) and parallel_state.get_pipeline_model_parallel_world_size() > 1
+    return bool(shares or mtp) and dist.get_world_size(pp_group) > 1
 
 
-def tied_weight(model) -> Optional[torch.nn.Parameter]:
+def tied_weight(model, pp_group) -> Optional[torch.nn.Parameter]:
     """The word embeddings (first stage) or the last stage's copy of them: its output weight
     when tied, multi-token prediction's embedding with MTP (one parameter if both)."""
     inner = _language_model(model)
     if getattr(inner, "mtp_process", False) and not inner.post_process:
         raise ValueError("megatron-async: under 2bw the multi-token prediction layers must be on the last "
                          "pipeline stage (its copy of the word embeddings is exchanged with the first stage)")
-    if not ties_across_stages(model) or inner.pre_process == inner.post_process:
+    if not ties_across_stages(model, pp_group) or inner.pre_process == inner.post_process:
         return None  # a stage between, or (PP=1) both ends on one stage: nothing to exchange
     return inner.shared_embedding_or_output_weight()
 
 
-def link_for(model, stash, group) -> Optional[TiedEmbeddings]:
-    """This stage's end of the link (first or last stage of a tied model), else None."""
-    from megatron.core import parallel_state
-
-    weight = tied_weight(model)
+def link_for(model, stash, group, pp_group) -> Optional[TiedEmbeddings]:
+    """This stage's end of the link (first or last stage of a tied model, over the pipeline
+    `pp_group`), else None."""
+    weight = tied_weight(model, pp_group)
     if weight is None:
         return None
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-    first = stage == 0
+    ranks = dist.get_process_group_ranks(pp_group)
+    first = ranks.index(dist.get_rank()) == 0
     link = TiedEmbeddings(weight, stash.live_storage(weight), group, ranks[-1] if first else ranks[0], first,
                           whole=lambda: stash.gather_update([weight]))
     link.connect()

@@ -53,7 +53,8 @@ class TwoBWRunner(StageEvents):
         self.model = context.model
         self.m = context.num_microbatches
         self.links = context.links
-        self.eval_links = stage_links(duplicate_pipeline_group())
+        pp_group = context.groups.pp
+        self.eval_links = stage_links(pp_group, duplicate_pipeline_group(pp_group))
         self.stale_norm = stale_norm
         self.stash = context.stash
         self.on_batch_start = on_batch_start
@@ -63,8 +64,8 @@ class TwoBWRunner(StageEvents):
         self._loss_flag: LossFlag | None = None  # batch t's losses, checked after OptimizerStep(t)
         disable_first_microbatch_caches([self.model])  # before the first forward: TE's fp8 weight cache
         # tied embeddings: the first and last stage's own link (a collective to create: every rank)
-        self.tied = (link_for(self.model, self.stash, first_last_group())
-                     if ties_across_stages(self.model) else None)
+        self.tied = (link_for(self.model, self.stash, first_last_group(pp_group), pp_group)
+                     if ties_across_stages(self.model, pp_group) else None)
         self.finalize_grads = finalize_grads or self.model.finish_grad_sync
         self.executor = StageExecutor(context, stream.actions(self.links.stage), self, stream)
 

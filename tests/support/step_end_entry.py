@@ -121,8 +121,8 @@ def _old_tied_contact() -> None:
 
     make = p2p.first_last_group
 
-    def with_pair_all_reduce():
-        group = make()
+    def with_pair_all_reduce(pp_group):
+        group = make(pp_group)
         if group is not None:
             dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()), group=group)
         return group

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_async.megatron_lm.adapter import layout_invariant_init
@@ -224,18 +225,19 @@ def train(spec: TinyGPT, iterations: int, rank: int, world_size: int) -> dict[st
     losses, grads_present, extra = [], [], {}
     two_bw = schedule_or_default(schedule)
     if two_bw.runtime is not None:
-        make_stage_local(optimizer, spec.use_distributed_optimizer)
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        make_stage_local(optimizer, spec.use_distributed_optimizer, groups)
         assert len(model) == 1, "2bw runs one model chunk per stage (no virtual pipeline stages)"
         stash = WeightStashManager(model, depth=two_bw.stash_copies, predict=spec.weight_prediction,
                                    guard_aliases=spec.stash_alias_guard)
         context = stage_context(model[0], stash, gpt_forward_step, num_micro,
-                                (spec.seq_length, spec.micro_batch_size, spec.hidden_size), torch.float32)
+                                (spec.seq_length, spec.micro_batch_size, spec.hidden_size), torch.float32, groups)
         stale_norm = None
         if spec.clip_grad_mode == "stale-global":
             from megatron_async.pipeline.p2p import duplicate_pipeline_group
             from megatron_async.pipeline.stale_global import StaleGlobalNorm
 
-            stale_norm = StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
+            stale_norm = StaleGlobalNorm(duplicate_pipeline_group(groups.pp, backend="gloo"))
         runner = SelfSteppingRunner(context, two_bw.stream_for, optimizer, spec.planned_iterations or iterations,
                                     stale_norm=stale_norm)
         data_for = microbatch_data(microbatch_getter(spec, num_micro))

@@ -199,11 +199,6 @@ def note_early_stop(iteration: int, reason: str, saved: bool) -> None:
             json.dump({"iteration": iteration, "reason": reason, "saved": saved}, f)
 
 
-def stage_group():
-    """The ranks of this pipeline stage (tensor x data x context parallel)."""
-    return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-
-
 def pipeline_stage() -> int:
     return parallel_state.get_pipeline_model_parallel_rank()
 

@@ -8,9 +8,7 @@ import itertools
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
-
-from megatron_async.megatron_lm.adapter.runtime import DelayedRun, pipeline_stage, stage_group
+from megatron_async.megatron_lm.adapter.runtime import DelayedRun, pipeline_stage
 from megatron_async.megatron_lm.checkpoint.saved_rng import RngSnapshots
 
 ABANDON_WAIT_S = 30.0
@@ -25,19 +23,24 @@ class TwoBWRun(DelayedRun):
 
     @classmethod
     def build(cls, args, mode, model_chunks, make_optimizer) -> "TwoBWRun":
-        # the run's groups before Megatron's optimizer, where every rank is (every rank takes part)
-        stop, rank_only_group = _stop_agreement(args, mode), _rank_only_group(args)
-        return cls(args, mode, model_chunks, make_optimizer(), stop, rank_only_group)
+        from megatron.core.process_groups_config import ProcessGroupCollection
 
-    def __init__(self, args, mode, model_chunks, optimizer, stop, rank_only_group):
+        # the run's groups before Megatron's optimizer, where every rank is (every rank takes part);
+        # the pipeline code takes Megatron's groups from the run, not from its global state
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        stop, rank_only_group = _stop_agreement(args, mode), _rank_only_group(args)
+        return cls(args, mode, model_chunks, make_optimizer(), stop, rank_only_group, groups)
+
+    def __init__(self, args, mode, model_chunks, optimizer, stop, rank_only_group, groups):
         from megatron_async.pipeline.grad_stats import make_stage_local
 
-        make_stage_local(optimizer, args.use_distributed_optimizer)
+        self.groups = groups
+        make_stage_local(optimizer, args.use_distributed_optimizer, groups)
         super().__init__(args, model_chunks, optimizer, depth=mode.stash_depth)
         self.spec = mode.spec
         self._stop = stop  # the stop agreement (--exit-signal-handler / --exit-duration-in-mins), or None
         self._rank_only_group = rank_only_group  # the "pipeline group" of Megatron's MoE metrics, or None
-        self.stale_norm = _stale_norm(args)
+        self.stale_norm = _stale_norm(args, groups)
         self.embedding_copy_linked = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
         self.rng = RngSnapshots()  # the RNG state a checkpoint saves (checkpoint/saved_rng.py)
         self._runner = None  # the spec's runner, started by the first forward-backward
@@ -67,7 +70,8 @@ class TwoBWRun(DelayedRun):
         self.start_from_checkpoint(args)
         say_grad_norm_note(args)  # before Megatron's first log line, which shows the last stage's norm
         context = stage_context(model_chunk, self.stash, forward_step_func, get_num_microbatches(),
-                                _activation_shape(args, config), config.pipeline_dtype or args.params_dtype)
+                                _activation_shape(args, config, self.groups), config.pipeline_dtype or args.params_dtype,
+                                self.groups)
         return self.spec.runner_class()(
             context, self.spec.stream_for, args.train_iters, start_batch=args.iteration,
             finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
@@ -87,14 +91,14 @@ class TwoBWRun(DelayedRun):
 
     def reduction_group(self, group):
         """The stage's tensor-parallel ranks, not TP x PP."""
-        return parallel_state.get_tensor_model_parallel_group()
+        return self.groups.tp
 
     def embedding_grads_all_reduce(self, original):
         """None: a tied model's embedding gradients travel point to point (pipeline/tied_embeddings.py)."""
         return lambda *args, **kwargs: None
 
     def interval_barrier_group(self):
-        return stage_group()
+        return self.groups.tp_dp_cp  # the stage's tensor x data x context-parallel ranks
 
     def agreed_stop(self, iteration: int) -> tuple:
         if self._stop is None:
@@ -147,14 +151,14 @@ class TwoBWRun(DelayedRun):
                   "were never received (it stopped too); the job ends without them", flush=True)
 
 
-def _stale_norm(args):
+def _stale_norm(args, groups):
     """With --clip-grad-mode stale-global: the stale global norm, over a host group of its own."""
     if args.clip_grad_mode != "stale-global":
         return None
     from megatron_async.pipeline.p2p import duplicate_pipeline_group
     from megatron_async.pipeline.stale_global import StaleGlobalNorm
 
-    return StaleGlobalNorm(duplicate_pipeline_group(backend="gloo"))
+    return StaleGlobalNorm(duplicate_pipeline_group(groups.pp, backend="gloo"))
 
 
 def _stop_agreement(args, mode):
@@ -181,7 +185,7 @@ def _rank_only_group(args):
     return group
 
 
-def _activation_shape(args, config) -> tuple:
+def _activation_shape(args, config, groups) -> tuple:
     """What a stage sends its neighbour, as Megatron's 1F1B computes it (the sequence
     split over context-parallel ranks, and over tensor-parallel ranks with sequence
     parallelism)."""
@@ -189,8 +193,7 @@ def _activation_shape(args, config) -> tuple:
 
     (shape,) = get_tensor_shapes(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                  decoder_seq_length=None, config=config,
-                                 tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                 cp_group=parallel_state.get_context_parallel_group())
+                                 tp_group=groups.tp, cp_group=groups.cp)
     return shape
 
 
