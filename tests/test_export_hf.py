@@ -196,7 +196,7 @@ def test_a_torn_checkpoint_is_refused_naming_the_file(run, tmp_path, monkeypatch
 
 
 ARCHITECTURES = {  # saved arguments no transformers class mapped here computes, and the flag named
-    "moe": ({"num_experts": 4}, "--num-experts 4: an MoE model"),
+    "moe with biases": ({"num_experts": 4}, "--disable-bias-linear:"),
     "qk layernorm": ({"qk_layernorm": True}, "--qk-layernorm:"),
     "rmsnorm without swiglu": ({"normalization": "RMSNorm", "position_embedding_type": "rope"}, "--swiglu:"),
     "rope with layernorm": ({"position_embedding_type": "rope"}, "--position-embedding-type rope:"),
@@ -261,10 +261,11 @@ def test_every_refusal_names_one_of_megatrons_flags():
 
     from megatron.training.arguments import add_megatron_arguments
 
+    from megatron_async.megatron_lm.export import hf_moe
     from megatron_async.megatron_lm.export.hf_architecture import NEUTRAL, flag
 
     dests = {a.dest: a.option_strings for a in add_megatron_arguments(argparse.ArgumentParser())._actions}
-    named = [dest for dest, _ in NEUTRAL] + ["position_embedding_type", "swiglu", "normalization",
+    named = [dest for dest, _ in NEUTRAL + hf_moe.NEUTRAL] + ["moe_layer_freq", "qk_layernorm", "position_embedding_type", "swiglu", "normalization",
                                              "use_te_activation_func", "num_query_groups", "kv_channels"]
     assert [d for d in named if d not in dests] == []
     assert all(flag(d) in dests[d] for d in named)

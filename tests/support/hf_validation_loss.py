@@ -1,6 +1,7 @@
 """Loss of exported Hugging Face models on the tokens of a run's validation, for the export tests.
 
     python -m tests.support.hf_validation_loss ITER_DIR OUT.json HF_DIR [HF_DIR ...] [--swap-kv-groups]
+        [--permute-experts]
 
 The tokens are those Megatron's evaluation after training read: the first `--eval-iters` x
 `--global-batch-size` samples of the validation GPTDataset, rebuilt by Megatron's own dataset
@@ -10,6 +11,9 @@ and scored as Megatron's loss does: the mean over unmasked tokens of the cross e
 `labels`. `--swap-kv-groups` adds each model's loss with every Llama query head paired
 with another key/value group (the groups' order reversed in k_proj and v_proj): the
 mistake a mapping blind to Megatron's per-group layout would make (a control).
+`--permute-experts` adds each MoE model's loss with every layer's experts rolled by one
+place while its router's rows stay: the mistake of a mapping that gathers expert-parallel
+ranks' experts in another order than their global numbers (a control).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def _reverse_groups(weight: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def loss(model_dir: str, batch: dict, swap_kv_groups: bool = False) -> float:
+def loss(model_dir: str, batch: dict, swap_kv_groups: bool = False, permute_experts: bool = False) -> float:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -51,6 +55,10 @@ def loss(model_dir: str, batch: dict, swap_kv_groups: bool = False) -> float:
         for layer in model.model.layers:
             for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.weight.copy_(_reverse_groups(proj.weight, groups))
+    if permute_experts:
+        for layer in model.model.layers:
+            for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                weight.copy_(weight.roll(1, dims=0))
     logits = model(input_ids=batch["tokens"].long()).logits.float()
     losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].long().flatten(), reduction="none")
     mask = batch["loss_mask"].float().flatten()
@@ -63,11 +71,14 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("models", nargs="+")
     parser.add_argument("--swap-kv-groups", action="store_true")
+    parser.add_argument("--permute-experts", action="store_true")
     options = parser.parse_args()
     batch = validation_batch(options.directory)
     result = {"tokens": int(batch["loss_mask"].sum()), "losses": [loss(m, batch) for m in options.models]}
     if options.swap_kv_groups:
         result["swapped_kv_groups"] = [loss(m, batch, swap_kv_groups=True) for m in options.models]
+    if options.permute_experts:
+        result["permuted_experts"] = [loss(m, batch, permute_experts=True) for m in options.models]
     with open(options.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
 

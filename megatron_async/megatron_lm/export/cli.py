@@ -61,7 +61,7 @@ def export(load: str, out: str, ckpt_step: int | None = None, tokenizer_model: s
                                           hf_folder.special_ids(tokenizer))
     state = hf_weights.hf_state_dict(arch, weights, config, expected_shapes(hf_config))
     hf_folder.write(out, hf_config, state, tokenizer)
-    return {"directory": directory, "architecture": hf_architecture.CLASSES[arch], "out": os.path.abspath(out),
+    return {"mtp_dropped": hf_weights.mtp_dropped(weights), "directory": directory, "architecture": hf_architecture.CLASSES[arch], "out": os.path.abspath(out),
             "tokenizer": tokenizer is not None}
 
 
@@ -83,6 +83,9 @@ def main(argv=None) -> None:
     except ExportError as exc:
         print(f"megatron-async: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if done["mtp_dropped"]:
+        print(f"megatron-async: left out the {done['mtp_dropped']} multi-token-prediction layer(s) "
+              "(--mtp-num-layers): inference does not run them", flush=True)
     print(f"megatron-async: exported {done['directory']} (live weights) as {done['architecture']} to {done['out']}"
           f"{' with its tokenizer' if done['tokenizer'] else ''}", flush=True)
 

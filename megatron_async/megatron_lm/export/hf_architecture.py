@@ -6,10 +6,13 @@ Two fit exactly, as Megatron-Core's local and Transformer Engine layers compute 
   fuses it with the bias (`bias_gelu_impl` is the tanh approximation), the exact one otherwise.
 - LlamaForCausalLM: RMSNorm, SwiGLU, rotary positions (rotate-half, whole head), any number
   of query groups.
-A bias Megatron does not have is exported as zeros (the same function). Everything else that
-changes the forward (MoE, MTP, MLA, QK norms, post-LN, windows, muP, other activations or
-positions, a custom layer spec) has no counterpart here and is refused naming its flag,
-before anything is read or written.
+- Qwen3MoeForCausalLM: an MoE GPT of that layer with QK-norm and a softmax top-k router
+  (hf_moe.py says which router settings fit).
+A bias Megatron does not have is exported as zeros (the same function). Multi-token
+prediction layers are left out: they train the model, and inference does not run them.
+Everything else that changes the forward (MLA, QK norms without experts, post-LN, windows,
+muP, other activations or positions, a custom layer spec) has no counterpart here and is
+refused naming its flag, before anything is read or written.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from megatron_async.megatron_lm.export import ExportError
 # (argument, the value every supported architecture needs): each other value changes the
 # forward in a way neither class computes
 NEUTRAL = (
-    ("num_experts", None), ("mtp_num_layers", None), ("multi_latent_attention", False),
+    ("multi_latent_attention", False),
     ("experimental_attention_variant", None), ("hybrid_layer_pattern", None),
     ("heterogeneous_layers_config_path", None), ("spec", None), ("softmax_type", "vanilla"),
     ("apply_residual_connection_post_layernorm", False), ("layernorm_zero_centered_gamma", False),
-    ("qk_layernorm", False), ("qk_l2_norm", False), ("attention_output_gate", False),
+    ("qk_l2_norm", False), ("attention_output_gate", False),
     ("rotary_interleaved", False), ("window_size", None), ("no_rope_freq", None), ("use_mup", False),
     ("rotary_percent", 1.0), ("rotary_seq_len_interpolation_factor", None), ("use_rope_scaling", False),
     ("mrope_section", None), ("rope_type", None), ("squared_relu", False), ("openai_gelu", False),
@@ -58,27 +61,26 @@ def _refuse(dest: str, value, why: str):
     raise ExportError(f"{flag(dest)}{shown}: {why}")
 
 
-# why the commonest of them does not map (the rest: no transformers class computes it)
-REASONS = {
-    "num_experts": "an MoE model: Megatron's router, top-k, expert and shared-expert layout are not mapped to a "
-                   "transformers MoE class, so it is not exported",
-    "mtp_num_layers": "the multi-token-prediction layers have no place in the transformers classes mapped here",
-}
-
-
 def refuse_unmapped(args) -> None:
     """Refuse, naming the flag, any saved argument that changes the forward beyond both classes."""
     for dest, neutral in NEUTRAL:
         value = getattr(args, dest, neutral)
         if value != neutral:
-            _refuse(dest, value, REASONS.get(dest, "no transformers class mapped here computes this; "
-                                                   "the checkpoint is not exported"))
+            _refuse(dest, value, "no transformers class mapped here computes this; the checkpoint is not exported")
 
 
 def architecture(args, config) -> str:
-    """'gpt2' or 'llama' for a run's saved arguments and its TransformerConfig; refuses otherwise."""
+    """'gpt2', 'llama' or 'qwen3_moe' for a run's saved arguments and its TransformerConfig; refuses otherwise."""
     refuse_unmapped(args)
     import torch.nn.functional as F
+
+    from megatron_async.megatron_lm.export import hf_moe
+
+    if args.num_experts:
+        hf_moe.check(args, config)
+        return "qwen3_moe"
+    if args.qk_layernorm:
+        _refuse("qk_layernorm", True, "per-head query/key norms are exported only with MoE (as Qwen3-MoE)")
 
     rope = args.position_embedding_type == "rope"
     if args.position_embedding_type not in ("rope", "learned_absolute"):
@@ -112,7 +114,7 @@ def architecture(args, config) -> str:
     return "gpt2"
 
 
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def gelu_name(config) -> str:
@@ -129,6 +131,10 @@ def hf_config(arch: str, args, config, vocab_size: int, dtype, special_ids: dict
     common = dict(vocab_size=vocab_size, num_hidden_layers=config.num_layers, hidden_size=config.hidden_size,
                   num_attention_heads=config.num_attention_heads, max_position_embeddings=args.max_position_embeddings,
                   tie_word_embeddings=tied, dtype=dtype, architectures=[CLASSES[arch]], **special_ids)
+    if arch == "qwen3_moe":
+        from megatron_async.megatron_lm.export import hf_moe
+
+        return hf_moe.hf_config(args, config, common)
     if arch == "gpt2":
         c = transformers.GPT2Config(n_inner=config.ffn_hidden_size, activation_function=gelu_name(config),
                                     layer_norm_epsilon=config.layernorm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0,

@@ -4,7 +4,10 @@ Megatron's fused `linear_qkv` holds, per query group, that group's query heads, 
 key head, then its value head ([q.., k, v] x groups); transformers keeps all queries, then
 all keys, then all values, and repeats key/value group g for query heads g*r .. g*r + r-1,
 the same grouping. `linear_fc1` of a SwiGLU MLP is [gate; up], and GPT-2's Conv1D stores
-weights transposed ([in, out]).
+weights transposed ([in, out]). Qwen3-MoE keeps every expert of a layer in one tensor,
+indexed by the expert's global number, as its router's rows are: expert e's [gate; up]
+`linear_fc1` is `gate_up_proj[e]` and its `linear_fc2` is `down_proj[e]`. Multi-token
+prediction layers (`mtp.*`) have no place in any class and are left out (mtp_dropped).
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int):
     k = grouped[:, per_group].reshape(groups * head_dim, *rest)
     v = grouped[:, per_group + 1].reshape(groups * head_dim, *rest)
     return q, k, v
+
+
+def mtp_dropped(sd: dict) -> int:
+    """How many multi-token-prediction layers the export leaves out."""
+    return len({key.split(".")[2] for key in sd if key.startswith("mtp.layers.")})
 
 
 def _layers(sd: dict) -> int:
@@ -51,6 +59,24 @@ def _gpt2(sd: dict, config) -> dict:
     return out
 
 
+def _experts(sd: dict, src: str, dst: str, experts: int) -> dict:
+    """One MoE layer's router and experts, stacked in the router's (global) expert order."""
+    fc1 = [sd[src + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in range(experts)]
+    fc2 = [sd[src + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(experts)]
+    return {dst + "mlp.gate.weight": sd[src + "mlp.router.weight"],
+            dst + "mlp.experts.gate_up_proj": torch.stack(fc1), dst + "mlp.experts.down_proj": torch.stack(fc2)}
+
+
+def _qwen3_moe(sd: dict, config) -> dict:
+    out = _llama({k: v for k, v in sd.items() if ".mlp." not in k}, config)
+    for i in range(_layers(sd)):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "self_attn.q_norm.weight"] = sd[src + "self_attention.q_layernorm.weight"]
+        out[dst + "self_attn.k_norm.weight"] = sd[src + "self_attention.k_layernorm.weight"]
+        out.update(_experts(sd, src, dst, config.num_moe_experts))
+    return out
+
+
 def _llama(sd: dict, config) -> dict:
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"]}
     for i in range(_layers(sd)):
@@ -78,7 +104,8 @@ def hf_state_dict(arch: str, sd: dict, config, expected: dict) -> dict:
     """transformers' state dict for `sd` (Megatron's names, one stage); `expected` maps the
     transformers model's own keys to shapes. A bias it has and Megatron has not is zeros;
     any other difference is an error of this mapping, never written."""
-    out = _gpt2(sd, config) if arch == "gpt2" else _llama(sd, config)
+    sd = {key: value for key, value in sd.items() if not key.startswith("mtp.")}
+    out = {"gpt2": _gpt2, "llama": _llama, "qwen3_moe": _qwen3_moe}[arch](sd, config)
     if "output_layer.weight" in sd:
         out["lm_head.weight"] = sd["output_layer.weight"]
     elif "lm_head.weight" in expected:  # tied: Megatron's output layer is the word embeddings

@@ -1,0 +1,124 @@
+"""`megatron-async-export-hf` on an MoE 2bw run of the 10B example's layer, as Qwen3MoeForCausalLM.
+
+The layer of examples/moe_10b at reduced width (RoPE with its --rotary-base, RMSNorm,
+SwiGLU experts, QK-norm, top-2 of 4 experts with the aux loss, no biases, untied),
+2bw at PP=2 with the experts spread over EP=2 (4 ranks, DP=2), saved as torch_dist: read
+back at one stage with every expert under its global number. Exported, its loss on the
+tokens of Megatron's evaluation equals the logged validation loss, 1e-4 relative.
+Controls, each outside that: the 2bw stash's W(T-1) exported instead of the live W(T), and
+the live weights with every layer's experts rolled by one place against the router.
+Router settings Qwen3-MoE does not compute are refused naming the flag; the
+multi-token-prediction layers are left out with one line saying so.
+"""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from test_export_hf import TIMEOUT_S, _refusal, export_cli, hf_losses, train
+from tests.support.warm_launch import warm_python
+
+MOE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--kv-channels", "8",
+       "--ffn-hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32",
+       "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm", "--swiglu",
+       "--disable-bias-linear", "--qk-layernorm", "--untie-embeddings-and-output-weights",
+       "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
+       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
+       "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2",
+       "--micro-batch-size", "2", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
+RTOL = 1e-4
+ITERS = 8  # enough for the stash's W(T-1) to differ from W(T); fewer than the dense runs' to keep the suite fast
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, small_corpus):
+    done = train(tmp_path_factory.mktemp("moe_run"), small_corpus, MOE,
+                 ["--ckpt-format", "torch_dist", "--train-iters", str(ITERS)], eval_iters=2, nproc=4)
+    return {**done, "iteration": done["ckpt"] / f"iter_{ITERS:07d}"}
+
+
+def test_an_moe_run_exports_as_qwen3_moe_with_megatrons_loss_and_the_controls_do_not(run, tmp_path):
+    out, stash = tmp_path / "hf", tmp_path / "stash"
+    proc = export_cli(run["ckpt"], out)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "as Qwen3MoeForCausalLM" in proc.stdout and "multi-token" not in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["tie_word_embeddings"] is False
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["norm_topk_prob"]) == (4, 2, True)
+    proc = warm_python("tests.support.export_version", ["stash", str(run["ckpt"]), str(stash)], TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    result = hf_losses(tmp_path, run["iteration"], out, stash, extra=["--permute-experts"])
+    (live, older), (permuted, _) = result["losses"], result["permuted_experts"]
+    assert abs(live - run["val_loss"]) <= RTOL * run["val_loss"], (live, run["val_loss"])
+    assert abs(older - run["val_loss"]) > RTOL * run["val_loss"], (older, run["val_loss"])
+    assert abs(permuted - run["val_loss"]) > RTOL * run["val_loss"], (permuted, run["val_loss"])
+
+
+REFUSED = {  # router and layer settings Qwen3-MoE does not compute, and the flag named
+    "sigmoid scores": ({"moe_router_score_function": "sigmoid"}, "--moe-router-score-function sigmoid:"),
+    "top-k scaling": ({"moe_router_topk_scaling_factor": 2.5}, "--moe-router-topk-scaling-factor 2.5:"),
+    "group-limited routing": ({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "--moe-router-num-groups 2:"),
+    "expert bias": ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias:"),
+    "capacity factor": ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor 1.0:"),
+    "shared expert": ({"moe_shared_expert_intermediate_size": 32}, "--moe-shared-expert-intermediate-size 32:"),
+    "dense layers": ({"moe_layer_freq": [1, 0]}, "--moe-layer-freq [1, 0]:"),
+    "no qk-norm": ({"qk_layernorm": False}, "--qk-layernorm:"),
+    "biases": ({"add_bias_linear": True}, "--disable-bias-linear:"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_router_or_layer_qwen3_moe_does_not_compute_is_refused_naming_the_flag(run, tmp_path, monkeypatch, case):
+    changes, expected = REFUSED[case]
+    message = _refusal(run["ckpt"], tmp_path / "hf", monkeypatch, changes)
+    assert message.startswith(expected), message
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_qwen3_moes_router_weighs_the_experts_megatrons_router_does(pre_softmax):
+    """Megatron's softmax router (top k of the logits then softmax over them, or with
+    --moe-router-pre-softmax softmax over all then top k) against Qwen3-MoE's router as
+    configured by the export. Control: the other `norm_topk_prob` weighs them otherwise."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from megatron_async.megatron_lm.export import hf_moe
+
+    torch.manual_seed(0)
+    hidden, experts, k = 16, 6, 3
+    tokens = torch.randn(64, hidden, dtype=torch.float64)
+    weight = torch.randn(experts, hidden, dtype=torch.float64)
+    megatron, routed = topk_routing_with_score_function(tokens @ weight.t(), k, use_pre_softmax=pre_softmax)
+    config = SimpleNamespace(num_query_groups=4, kv_channels=4, layernorm_epsilon=1e-5, add_qkv_bias=False,
+                             num_moe_experts=experts, moe_router_topk=k, moe_ffn_hidden_size=8, ffn_hidden_size=8,
+                             moe_router_pre_softmax=pre_softmax)
+    args = SimpleNamespace(rotary_base=10000, moe_aux_loss_coeff=0.0)
+    common = dict(vocab_size=32, num_hidden_layers=1, hidden_size=hidden, num_attention_heads=4)
+
+    def weighed(hf_config):
+        router = Qwen3MoeTopKRouter(hf_config).double()
+        router.weight.data.copy_(weight)
+        _, scores, indices = router(tokens)
+        return torch.zeros(tokens.shape[0], experts, dtype=scores.dtype).scatter(1, indices, scores)
+
+    exported = hf_moe.hf_config(args, config, common)
+    assert torch.equal(weighed(exported) != 0, routed)
+    assert torch.allclose(weighed(exported), megatron, rtol=0, atol=1e-6)  # both score in fp32
+    exported.norm_topk_prob = not exported.norm_topk_prob
+    assert (weighed(exported) - megatron).abs().max() > 1e-3
+
+
+def test_multi_token_prediction_layers_are_left_out_saying_so(monkeypatch, capsys):
+    from megatron_async.megatron_lm.export import cli, hf_architecture, hf_weights
+
+    hf_architecture.refuse_unmapped(SimpleNamespace(mtp_num_layers=2))  # not refused
+    weights = {"decoder.layers.0.x": torch.zeros(1), "mtp.layers.0.a": torch.zeros(1), "mtp.layers.1.b": torch.zeros(1)}
+    assert hf_weights.mtp_dropped(weights) == 2
+    done = {"mtp_dropped": 2, "directory": "d", "architecture": "Qwen3MoeForCausalLM", "out": "o", "tokenizer": False}
+    monkeypatch.setattr(cli, "export", lambda *a, **k: done)
+    cli.main(["--load", "d", "--out", "o"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "left out the 2 multi-token-prediction layer(s) (--mtp-num-layers)" in lines[0], lines
