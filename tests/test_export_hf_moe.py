@@ -60,7 +60,6 @@ REFUSED = {  # router and layer settings Qwen3-MoE does not compute, and the fla
     "sigmoid scores": ({"moe_router_score_function": "sigmoid"}, "--moe-router-score-function sigmoid:"),
     "top-k scaling": ({"moe_router_topk_scaling_factor": 2.5}, "--moe-router-topk-scaling-factor 2.5:"),
     "group-limited routing": ({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "--moe-router-num-groups 2:"),
-    "expert bias": ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias:"),
     "capacity factor": ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor 1.0:"),
     "shared expert": ({"moe_shared_expert_intermediate_size": 32}, "--moe-shared-expert-intermediate-size 32:"),
     "dense layers": ({"moe_layer_freq": [1, 0]}, "--moe-layer-freq [1, 0]:"),
