@@ -3,7 +3,9 @@
 RSS alone cannot tell a leak from an allocator that keeps freed memory: glibc raises
 its mmap threshold as large blocks are freed, so tensors of a few hundred KB then
 come from its heaps, whose free chunks stay resident. In use flat and free growing
-is the allocator; in use growing is a leak.
+is the allocator; in use growing is a leak of what malloc hands out (tensors' storage
+among it). Python's small objects live in arenas Python maps itself, which malloc
+does not count.
 """
 
 from __future__ import annotations
