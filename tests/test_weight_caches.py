@@ -45,10 +45,10 @@ def _train_with_stage0_first_backward_late(rank, world_size, spec, steps):
     """Stage 0 runs each batch's first backward right after its second one. Stage 0's
     backwards send nothing, so any order of them is a valid schedule; only a kernel
     that treats "the first microbatch's backward" specially can tell."""
-    from megatron_async.pipeline import two_bw
+    from megatron_async.schedules import stream_2bw
     from megatron_async.schedules.actions import Backward
 
-    actions = two_bw.TwoBWStream.actions
+    actions = stream_2bw.TwoBWStream.actions
 
     def reordered(self, stage):
         held = None
@@ -61,7 +61,7 @@ def _train_with_stage0_first_backward_late(rank, world_size, spec, steps):
                 yield held
                 held = None
 
-    two_bw.TwoBWStream.actions = reordered
+    stream_2bw.TwoBWStream.actions = reordered
     return train_entry(rank, world_size, spec, steps)
 
 
