@@ -68,3 +68,27 @@ def small_corpus(tmp_path_factory, text_files):
     prepare(str(out), corpus=None, inputs=text_files, vocab_size=400, valid_fraction=0.2, seed=1234)
     return out
 
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(name, options): a real tmpfs (root) under tmp_path, mounted with `options` (e.g.
+    "size=1m", "ro,size=1m"), for the full and read-only file systems tests write to; unmounted
+    after the test. Skips, saying why, where it cannot mount."""
+    import subprocess
+
+    mounted = []
+
+    def mount(name: str, options: str):
+        where = tmp_path / name
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

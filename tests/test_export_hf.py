@@ -380,28 +380,6 @@ def test_no_checkpoint_checksums_exports_a_changed_checkpoint_unverified_saying_
     assert f"--no-checkpoint-checksums: the files of {ckpt / f'iter_{ITERS:07d}'} are loaded unverified" in said
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A tmpfs mounted with `options` (as tests/test_save_space.py mounts its own), unmounted after."""
-    import subprocess
-
-    mounted = []
-
-    def mount(name: str, options: str) -> Path:
-        where = tmp_path / name
-        where.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def test_an_out_whose_parent_is_missing_is_refused_before_the_checkpoint_is_read(run, tmp_path, monkeypatch,
                                                                                  capsys):
     out = tmp_path / "missing" / "hf"

@@ -12,7 +12,6 @@
 """
 
 import re
-import subprocess
 
 import pytest
 from test_megatron_loop import _run
@@ -38,27 +37,8 @@ def test_the_expected_size_bounds_what_a_save_takes(tmp_path, fmt):
     assert 0.8 * expected <= written <= expected, (written, expected)
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    mounted = []
-
-    def mount(size: str):
-        where = tmp_path / f"fs_{size}"
-        where.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def test_a_save_without_room_is_refused_before_training(tmp_path, tmpfs):
-    small = tmpfs("1m")
+    small = tmpfs("fs_1m", "size=1m")
     proc, metrics = _run(tmp_path, "small", 2, PP2_2BW + ["--save", str(small / "ckpt")])
     assert proc.returncode == 2, proc.stdout[-4000:]
     refusals = [line for line in proc.stdout.splitlines() if "free, but one checkpoint of this run needs" in line]
@@ -67,7 +47,7 @@ def test_a_save_without_room_is_refused_before_training(tmp_path, tmpfs):
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
     assert not any((small / "ckpt").glob("iter_*"))
     # negative control: with room, the same run trains and saves
-    roomy = tmpfs("64m")
+    roomy = tmpfs("fs_64m", "size=64m")
     proc, metrics = _run(tmp_path, "roomy", 2, PP2_2BW + ["--save", str(roomy / "ckpt")])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert (roomy / "ckpt" / "iter_0000002").is_dir()
@@ -85,7 +65,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_partial_folder_set_
     iteration 2 fits, the one at 4 does not."""
     from megatron_async.megatron_lm.safety.checkpoint_guard import complete_iterations, tracked_iteration
 
-    ckpt = tmpfs("6m") / "ckpt"
+    ckpt = tmpfs("fs_6m", "size=6m") / "ckpt"
     proc, _ = _run(tmp_path, "fills", 2, PP2_2BW + ["--train-iters", "4", "--save", str(ckpt)])
     assert proc.returncode == 2, proc.stdout[-4000:]
     lines = [line for line in proc.stdout.splitlines() if "megatron-async: error:" in line]
