@@ -17,9 +17,8 @@ refused naming its flag, before anything is read or written.
 
 from __future__ import annotations
 
-import functools
-
 from megatron_async.megatron_lm.export import ExportError
+from megatron_async.megatron_lm.export.megatron_flags import flag
 
 # (argument, the value every supported architecture needs): each other value changes the
 # forward in a way neither class computes
@@ -35,25 +34,6 @@ NEUTRAL = (
     ("quick_geglu", False), ("activation_func_clamp_value", None), ("glu_linear_offset", 0.0),
     ("add_position_embedding", True),
 )
-
-
-@functools.cache
-def _flags() -> dict[str, str]:
-    """Megatron's own command-line flag for each argument."""
-    import argparse
-
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    flags: dict[str, str] = {}
-    for action in parser._actions:
-        if action.option_strings:
-            flags.setdefault(action.dest, action.option_strings[0])
-    return flags
-
-
-def flag(dest: str) -> str:
-    return _flags().get(dest, "--" + dest.replace("_", "-"))
 
 
 def _refuse(dest: str, value, why: str):

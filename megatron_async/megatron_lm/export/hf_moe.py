@@ -41,7 +41,7 @@ WHY = {
 
 
 def _refuse(dest: str, value, why: str):
-    from megatron_async.megatron_lm.export.hf_architecture import flag
+    from megatron_async.megatron_lm.export.megatron_flags import flag
 
     shown = "" if isinstance(value, bool) else f" {value}"
     raise ExportError(f"{flag(dest)}{shown}: {why}; the checkpoint is not exported")
