@@ -3,10 +3,15 @@ other: a zero-bubble list's split backward (BackwardInput/BackwardWeight), which
 validator and the simulator accept, must not be skipped in silence. Control: the same
 executor runs a 1F1B list of the same shape to its end."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from megatron_async.schedules.actions import OptimizerStep, RecvActivation, RecvGrad, ScheduleError, is_comm
 from megatron_async.schedules.generators import generate
+
+# the run's process groups as the executor reads them: no context parallelism
+ONE_RANK_GROUPS = SimpleNamespace(cp=SimpleNamespace(size=lambda: 1))
 
 
 def _executor(actions, stage: int, p: int, m: int, monkeypatch, ran: list):
@@ -20,12 +25,12 @@ def _executor(actions, stage: int, p: int, m: int, monkeypatch, ran: list):
 
     monkeypatch.setattr(ex, "post_run", post_run)
     monkeypatch.setattr(ex, "get_model_config", lambda model: None)
-    monkeypatch.setattr(ex.parallel_state, "get_context_parallel_world_size", lambda: 1)
     class Steps(ex.StageEvents):
         def optimizer_step(self, step):
             ran.append(OptimizerStep(step))
 
-    context = StageContext(None, StageLinks(stage, p, None, None, None), None, None, m, None, None, None)
+    context = StageContext(None, StageLinks(stage, p, None, None, None), None, None, m, None, None, None,
+                           ONE_RANK_GROUPS)
     e = ex.StageExecutor(context, actions, Steps())
     e._forward = lambda action, _data_for: ran.append(action)  # compute replaced by a recorder
     e._backward = ran.append
@@ -92,7 +97,7 @@ def test_an_evaluation_leaves_the_model_in_train_mode_however_it_ends(fails, mon
     runner.model = torch.nn.Linear(2, 2)
     runner.stash = type("Stash", (), {"newest": 3})()
     runner.eval_links = StageLinks(0, 1, None, None, None)
-    runner.context = StageContext(runner.model, None, runner.stash, None, 2, None, None, None)
+    runner.context = StageContext(runner.model, None, runner.stash, None, 2, None, None, None, ONE_RANK_GROUPS)
     runner.drain = lambda: None
     if fails:
         with pytest.raises(RuntimeError, match="a forward failed"):

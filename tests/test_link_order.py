@@ -7,6 +7,7 @@ each check."""
 
 from collections import deque
 from functools import lru_cache
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +34,9 @@ from megatron_async.schedules.link_order import (
 )
 from megatron_async.schedules.stream_2bw import TEMPLATE_BATCHES, TwoBWStream
 from megatron_async.schedules.validator import ScheduleError, check_deadlock_free
+
+# the run's process groups as the executor reads them: no context parallelism
+ONE_RANK_GROUPS = SimpleNamespace(cp=SimpleNamespace(size=lambda: 1))
 
 BATCHES = TEMPLATE_BATCHES + 1  # relabelled steady and last segments, not only the template's
 FIRSTS = (0, 5)  # a fresh run and one resumed at batch 5
@@ -162,12 +166,12 @@ def executor_posts(s: TwoBWStream, stage: int, stop, drains, monkeypatch) -> lis
 
     monkeypatch.setattr(ex, "post_run", post_run)
     monkeypatch.setattr(ex, "get_model_config", lambda model: None)
-    monkeypatch.setattr(ex.parallel_state, "get_context_parallel_world_size", lambda: 1)
     class Steps(ex.StageEvents):
         def optimizer_step(self, step):
             posted.append(OptimizerStep(step))
 
-    context = StageContext(None, StageLinks(stage, s.p, None, None, None), None, None, s.m, None, None, None)
+    context = StageContext(None, StageLinks(stage, s.p, None, None, None), None, None, s.m, None, None, None,
+                           ONE_RANK_GROUPS)
     e = ex.StageExecutor(context, s.actions(stage), Steps(), s)
 
     def forward(a, _data_for):  # what the real forward consumes and keeps
