@@ -222,7 +222,7 @@ def test_flipped_bytes_in_a_shard_are_refused_before_training_naming_the_file(tm
     shutil.copytree(tied_checkpoint, ckpt)
     flipped = _flip_16_bytes(ckpt / "iter_0000008")
     longer = ["--train-iters", "12", "--override-opt_param-scheduler"]
-    proc, _ = _run(tmp_path, "flipped", 2, TORCH_DIST + ["--load", str(ckpt)] + longer)
+    proc, _ = _run(tmp_path, "flipped", 2, TORCH_DIST + ["--load", str(ckpt)] + longer, peers_exit_s=30)
     assert proc.returncode == 2, proc.stdout[-4000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("megatron-async: error:") and "cannot be loaded" in x]
     assert {x[-len("(rank 0)"):] for x in lines} == {"(rank 0)", "(rank 1)"}, proc.stdout[-4000:]

@@ -41,11 +41,12 @@ RTOL = 1e-6
 TIMEOUT_S = 300
 
 
-def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None, model=None):
-    """`model`: the model flags, MODEL by default (read at call time: tests patch MODEL)."""
+def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None, model=None, peers_exit_s=0.0):
+    """`model`: the model flags, MODEL by default (read at call time: tests patch MODEL).
+    `peers_exit_s`: for tests of what every rank prints as it exits (warm_launch.WarmJob.wait)."""
     metrics = tmp_path / f"{name}.jsonl"
     proc = warm_run(module, ["--gpt", *CPU, *(MODEL if model is None else model), *TRAIN, "--metrics-json", str(metrics), *extra], nproc,
-                    TIMEOUT_S, env=env)
+                    TIMEOUT_S, env=env, peers_exit_s=peers_exit_s)
     return proc, metrics
 
 
