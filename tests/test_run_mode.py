@@ -65,3 +65,24 @@ def test_nothing_but_the_mode_reads_the_flags_that_say_how_a_run_trains(tmp_path
     planted.parent.mkdir()
     planted.write_text("depth = args.simulated_delay\n")
     assert _flag_reads(planted.parent) == ["megatron_async/site.py:1"]
+
+
+def _optional_parts(cls) -> list[str]:
+    """The class attributes of a run class (and its bases) left None for a subclass to fill."""
+    return sorted(name for klass in cls.__mro__ for name, value in vars(klass).items()
+                  if value is None and not name.startswith("__"))
+
+
+def test_runs_offer_capabilities_not_fields_left_none():
+    """A hook asks a run to do something (its method's default is Megatron's own behaviour);
+    no run class declares a part as None for the hooks to probe. Control: a class that does is named."""
+    from megatron_async.megatron_lm.adapter.runtime import DelayedRun
+    from megatron_async.megatron_lm.adapter.simulated_delay_run import SimulatedDelayRun
+    from megatron_async.megatron_lm.adapter.two_bw_run import TwoBWRun
+
+    assert [_optional_parts(cls) for cls in (DelayedRun, TwoBWRun, SimulatedDelayRun)] == [[], [], []]
+
+    class Probed(DelayedRun):
+        runner = None
+
+    assert _optional_parts(Probed) == ["runner"]

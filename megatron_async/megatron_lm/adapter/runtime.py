@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 
 from megatron_async.corrections.delay_correction import RULES
 from megatron_async.megatron_lm.checkpoint import optimizer_state
-from megatron_async.megatron_lm.checkpoint.optimizer_state import STALE_NORM_KEY, STASH_KEY
+from megatron_async.megatron_lm.checkpoint.optimizer_state import STASH_KEY
 from megatron_async.pipeline.delayed_step import delayed_optimizer_step
 
 
@@ -33,12 +33,16 @@ class DelayedStepOptimizer:
     Everything else is the wrapped optimizer's (loss scale, groups).
     """
 
-    def __init__(self, optimizer, run: "DelayedRun", load_stash: bool = True, load_stale_norm: bool = False):
+    def __init__(self, optimizer, run: "DelayedRun", load_stash: bool = True, in_optimizer: bool = True):
         self.optimizer = optimizer
         self.run = run
         self.stash = run.stash
         self.load_stash = load_stash  # False: the checkpoint to resume has no stash
-        self.load_stale_norm = load_stale_norm
+        self.in_optimizer = in_optimizer  # False: the checkpoint keeps our per-rank state in files of its own
+
+    def loads(self, key: str) -> bool:
+        """Whether the checkpoint to resume holds the run's state `key` in the optimizer's."""
+        return bool(self.run.resumed.get(key)) and self.in_optimizer
 
     def __getattr__(self, name):
         return getattr(self.optimizer, name)
@@ -53,8 +57,7 @@ class DelayedStepOptimizer:
 
     def step(self):
         # the iteration Megatron's loop is in, on the run's own args (Megatron sets it before train_step)
-        return delayed_optimizer_step(self.optimizer, self.stash, self.run.stale_norm, self.run.runner,
-                                      self.run.args.curr_iteration + 1, parallel_state.get_pipeline_model_parallel_rank())
+        return self.run.optimizer_step(self.optimizer, self.run.args.curr_iteration + 1)
 
 
 class DelayedRun:
@@ -64,10 +67,6 @@ class DelayedRun:
     hooks through `plugin_run.delayed()`; nothing of it lives in a module. What a hook asks of
     it is a method whose default here is Megatron's own behaviour; a mode that does more
     overrides it, so no hook asks whether a run has some part."""
-
-    runner = None  # the pipeline runner the delayed step drives (2bw only)
-    stale_norm = None  # the stale global norm (2bw with --clip-grad-mode stale-global)
-    embedding_copy_linked = False  # the last stage's word embeddings kept by the tied link (2bw)
 
     def __init__(self, args, model_chunks, optimizer, depth: int):
         """Right after Megatron builds the optimizer, before it loads a checkpoint: the delay
@@ -90,8 +89,7 @@ class DelayedRun:
         predict = args.prediction_alpha if args.delay_correction == "predict" else None
         self.stash = WeightStashManager(model_chunks, depth=depth, predict=predict)
         self.megatron_optimizer = DelayedStepOptimizer(
-            optimizer, self, load_stash=bool(resumed.get(STASH_KEY)) and in_optimizer,
-            load_stale_norm=bool(resumed.get(STALE_NORM_KEY)) and in_optimizer)
+            optimizer, self, load_stash=bool(resumed.get(STASH_KEY)) and in_optimizer, in_optimizer=in_optimizer)
         self.args = args  # Megatron's args of this run (its loop's iteration, curr_iteration)
         self._save = None  # the save under way, while Megatron's save_checkpoint runs (checkpoint/delayed_save.py)
 
@@ -125,6 +123,19 @@ class DelayedRun:
                 why = "the checkpoint holds no weight stash"
             print(f"megatron-async: {why}; both weight versions start equal, at the loaded weights "
                   f"(iteration {args.iteration})", flush=True)
+
+    def optimizer_step(self, optimizer, iteration: int):
+        """Megatron's optimizer step for `iteration`, keeping the stash (pipeline/delayed_step.py)."""
+        return delayed_optimizer_step(optimizer, self.stash, None, None, iteration, pipeline_stage())
+
+    def step_states(self) -> dict:
+        """What of the run a checkpoint saves beside the stash, by key: objects with
+        state_dict/load_state_dict (the stale global norm under 2bw)."""
+        return {}
+
+    def links_embedding_copy(self) -> bool:
+        """Whether the last stage's copy of the word embeddings is kept by the tied link (2bw)."""
+        return False
 
     def forward_backward_func(self, megatron_forward_backward):
         """The function Megatron's loop calls once per iteration, given the one Megatron picked."""

@@ -24,14 +24,13 @@ class SimulatedDelayRun(DelayedRun):
 
     def forward_backward_func(self, forward_backward):
         """Megatron's schedule `forward_backward`, run at the delayed weights of each iteration."""
-        from megatron.training import get_args
 
         def run(*, model, forward_only=False, **kwargs):
             stash = self.stash
             if forward_only:
                 stash.point_to(stash.newest)
                 return forward_backward(model=model, forward_only=True, **kwargs)
-            args = get_args()
+            args = self.args
             if not self.started:  # after Megatron loaded the checkpoint, before the first step
                 self.start_from_checkpoint(args)
                 self.started = True

@@ -40,14 +40,25 @@ class TwoBWRun(DelayedRun):
         self.spec = mode.spec
         self._stop = stop  # the stop agreement (--exit-signal-handler / --exit-duration-in-mins), or None
         self._rank_only_group = rank_only_group  # the "pipeline group" of Megatron's MoE metrics, or None
-        self.stale_norm = _stale_norm(args, groups)
-        self.embedding_copy_linked = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
+        self._stale_norm = _stale_norm(args, groups)  # with --clip-grad-mode stale-global, else None
+        self._embedding_copy_linked = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
         self.rng = RngSnapshots()  # the RNG state a checkpoint saves (checkpoint/saved_rng.py)
         self._runner = None  # the spec's runner, started by the first forward-backward
 
-    @property
-    def runner(self):
-        return self._runner
+    def optimizer_step(self, optimizer, iteration: int):
+        """The delayed step with the runner's tied link around it and the stale global norm."""
+        from megatron_async.pipeline.delayed_step import delayed_optimizer_step
+
+        return delayed_optimizer_step(optimizer, self.stash, self._stale_norm, self._runner, iteration,
+                                      pipeline_stage())
+
+    def step_states(self) -> dict:
+        from megatron_async.megatron_lm.checkpoint.optimizer_state import STALE_NORM_KEY
+
+        return {STALE_NORM_KEY: self._stale_norm} if self._stale_norm is not None else {}
+
+    def links_embedding_copy(self) -> bool:
+        return self._embedding_copy_linked
 
     @property
     def step(self) -> int:
@@ -60,12 +71,11 @@ class TwoBWRun(DelayedRun):
     def _start(self, model_chunk, forward_step_func):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.core.utils import get_model_config
-        from megatron.training import get_args
 
         from megatron_async.megatron_lm.observability.grad_norm_note import say_grad_norm_note
         from megatron_async.pipeline.stage_context import stage_context
 
-        args = get_args()
+        args = self.args
         config = get_model_config(model_chunk)
         self.start_from_checkpoint(args)
         say_grad_norm_note(args)  # before Megatron's first log line, which shows the last stage's norm
@@ -75,7 +85,7 @@ class TwoBWRun(DelayedRun):
         return self.spec.runner_class()(
             context, self.spec.stream_for, args.train_iters, start_batch=args.iteration,
             finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
-            stale_norm=self.stale_norm, on_batch_start=self.rng.snapshot)
+            stale_norm=self._stale_norm, on_batch_start=self.rng.snapshot)
 
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
                          **_unused):

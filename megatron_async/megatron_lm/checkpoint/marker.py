@@ -61,11 +61,11 @@ def contents_to_save(run) -> dict:
         return {}
     return {STASH_KEY: True, "delay_correction": args.delay_correction in RULES,
             "delay_correction_rule": args.delay_correction,
-            STALE_NORM_KEY: run.stale_norm is not None,
+            STALE_NORM_KEY: STALE_NORM_KEY in run.step_states(),
             "pipeline_schedule": mode.name, "simulated_delay": mode.simulated_delay,
             "ckpt_format": args.ckpt_format, "per_rank_state": per_rank_state_home(args.ckpt_format),
             # the last stage's copy of the word embeddings, kept by the tied-embedding link (2bw only)
-            "embedding_copy_linked": run.embedding_copy_linked,
+            "embedding_copy_linked": run.links_embedding_copy(),
             "stash_layout": "sharded" if args.ckpt_format == "torch_dist" else "per rank", "layout": layout()}
 
 

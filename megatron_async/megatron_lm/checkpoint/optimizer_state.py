@@ -58,8 +58,8 @@ def sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = F
     global norm and the weight stash."""
     run = optimizer.run
     state = optimizer.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-    if run.stale_norm is not None:
-        add_state(state, STALE_NORM_KEY, run.stale_norm.state_dict, is_loading, optimizer.load_stale_norm)
+    for key, held in run.step_states().items():
+        add_state(state, key, held.state_dict, is_loading, optimizer.loads(key))
     if not is_loading or (optimizer.load_stash and run.resumed.get("stash_layout") == "sharded"):
         from megatron_async.stash import stash_checkpoint
 
@@ -74,8 +74,8 @@ def load_state_dict(optimizer, state_dict) -> None:
     """Load a DelayedStepOptimizer: our entries to the stash and the stale norm, the rest to
     the wrapped optimizer; then, for a checkpoint with per-rank files, this rank's file."""
     run = optimizer.run
-    if run.stale_norm is not None:
-        state_dict = pop_state(state_dict, STALE_NORM_KEY, run.stale_norm.load_state_dict)
+    for key, held in run.step_states().items():
+        state_dict = pop_state(state_dict, key, held.load_state_dict)
     optimizer.optimizer.load_state_dict(pop_state(state_dict, STASH_KEY, lambda state: load_stash(optimizer, state)))
     if run.resumed.get(STASH_KEY) and run.resumed.get("per_rank_state") == "files":
         from megatron_async.megatron_lm.checkpoint import side_files
@@ -100,8 +100,8 @@ def per_rank_state(run) -> dict:
     correction = getattr(run.optimizer, "delay_correction", None)
     if correction is not None:
         state["delay_correction"] = correction.state_dict()
-    if run.stale_norm is not None:
-        state[STALE_NORM_KEY] = run.stale_norm.state_dict()
+    for key, held in run.step_states().items():
+        state[key] = held.state_dict()
     return state
 
 
@@ -110,5 +110,6 @@ def load_per_rank_state(run, state: dict) -> None:
     correction = getattr(run.optimizer, "delay_correction", None)
     if correction is not None and "delay_correction" in state:
         correction.load_state_dict(state["delay_correction"])
-    if run.stale_norm is not None and STALE_NORM_KEY in state:
-        run.stale_norm.load_state_dict(state[STALE_NORM_KEY])
+    for key, held in run.step_states().items():
+        if key in state:
+            held.load_state_dict(state[key])
