@@ -340,3 +340,30 @@ def test_negative_control_the_gradient_receive_at_the_first_backward_deadlocks(p
         check_link_order(lists)
         with pytest.raises(ScheduleError, match=r"stage 0 blocks at action \d+ \(TiedRecv\(grad 0, peer"):
             check_posted_receives(lists)
+
+
+PAIRED_SHAPES = [(p, m) for p in range(2, 7) for m in sorted({2 * p - 1, 2 * p + 1})]
+
+
+@pytest.mark.parametrize("p, m", PAIRED_SHAPES)
+def test_2bw_combined_step_lists_keep_link_order_and_accumulation_order(p, m):
+    """2bw's lists for --overlap-moe-expert-parallel-comm (gen_2bw_paired) as the runtime posts
+    them: a combined step's backward accumulates like a Backward, batch b's first on microbatch
+    b*m. Control: two combined steps' backwards swapped fail the accumulation check."""
+    from megatron_async.schedules.actions import ForwardBackward
+
+    for first in FIRSTS:
+        s = TwoBWStream(p, m, BATCHES, first, paired=True)
+        for stop in (None, 1):
+            lists = runtime_lists(s, stop)
+            check_link_order(lists)
+            check_step_ends(lists)
+            check_blocking_rendezvous(lists, step_end_barrier=True)
+            check_grad_accumulation_order(lists, m)
+    acts = list(runtime_lists(TwoBWStream(p, m, BATCHES, 0, paired=True))[0])
+    pairs = [i for i, a in enumerate(acts) if isinstance(a, ForwardBackward)]
+    i, j = pairs[0], pairs[1]
+    acts[i], acts[j] = (ForwardBackward(acts[i].forward, acts[j].backward),
+                        ForwardBackward(acts[j].forward, acts[i].backward))
+    with pytest.raises(ScheduleError, match="the first backward of batch 0"):
+        check_grad_accumulation_order([acts], m)

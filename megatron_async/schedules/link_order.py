@@ -54,6 +54,7 @@ from megatron_async.schedules.actions import (
     ScheduleError,
     is_comm,
     is_send,
+    passes,
     placement_of,
     tensor_key,
 )
@@ -309,13 +310,16 @@ def check_grad_accumulation_order(schedule: Schedule, microbatches: int) -> None
         steps = [a.step for a in acts if isinstance(a, OptimizerStep)]
         current = steps[0] if steps else None
         started: set = set()  # (batch, chunk) whose first weight-gradient pass ran
-        for i, a in enumerate(acts):
+        # a combined step's backward accumulates like a Backward of its own
+        flat = [(i, x) for i, action in enumerate(acts)
+                for x in (passes(action) if not isinstance(action, OptimizerStep) else (action,))]
+        for i, a in flat:
             if isinstance(a, OptimizerStep):
                 current = a.step + 1
                 continue
             if not isinstance(a, ACCUMULATING):
                 continue
-            b, where = a.microbatch // m, f"stage {s}, action {i} ({a!r})"
+            b, where = a.microbatch // m, f"stage {s}, action {i} ({acts[i]!r})"
             if current is not None and b > current:
                 raise ScheduleError(f"{where}: a backward of batch {b} before OptimizerStep({b - 1}); "
                                     f"its gradient would be applied by step {current}")
