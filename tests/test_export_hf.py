@@ -77,11 +77,9 @@ def hf_losses(tmp, iteration, *models, extra=()) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, small_corpus):
     """The run, with Megatron's evaluation after training reading every window of the held-out split once."""
-    stats = json.loads((small_corpus / "stats.json").read_text())
-    windows = (stats["splits"]["valid"]["tokens"] - 1) // SEQ
-    done = train(tmp_path_factory.mktemp("gpt_run"), small_corpus, MODEL, ["--ckpt-format", "torch_dist"],
-                 windows // GBS)
-    return {**done, "eval_tokens": windows // GBS * GBS * SEQ}
+    eval_iters = whole_split_eval_iters(small_corpus)
+    done = train(tmp_path_factory.mktemp("gpt_run"), small_corpus, MODEL, ["--ckpt-format", "torch_dist"], eval_iters)
+    return {**done, "eval_tokens": eval_iters * GBS * SEQ}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +111,13 @@ def test_transformers_loss_equals_megatrons_validation_loss_and_the_stash_does_n
 
 
 def test_lm_eval_word_perplexity_agrees_with_the_validation_loss(run, exported, small_corpus, text_files, tmp_path):
+    lm_eval_agrees(run, exported, small_corpus, text_files, tmp_path)
+
+
+def lm_eval_agrees(run, exported, small_corpus, text_files, tmp_path) -> dict:
+    """lm-eval's word perplexity of `exported` on the held-out documents, as nats per token,
+    within LM_EVAL_RTOL of the run's validation loss over the whole held-out split; the
+    untrained model's loss (iteration 1) is not."""
     import sentencepiece as spm
     import transformers
 
@@ -133,6 +138,13 @@ def test_lm_eval_word_perplexity_agrees_with_the_validation_loss(run, exported, 
     per_token = math.log(result["word_perplexity"]) * result["words"] / tokens
     assert abs(per_token - run["val_loss"]) <= LM_EVAL_RTOL * run["val_loss"], (result, derived, run["val_loss"])
     assert abs(per_token - run["first_loss"]) > LM_EVAL_RTOL * run["first_loss"]  # control: the untrained model
+    return {**result, "per_token": per_token}
+
+
+def whole_split_eval_iters(small_corpus) -> int:
+    """Evaluation iterations after training that read every window of the held-out split once."""
+    stats = json.loads((small_corpus / "stats.json").read_text())
+    return (stats["splits"]["valid"]["tokens"] - 1) // SEQ // GBS
 
 
 # Refusals, in this process, on the run's checkpoint (a damaged copy, or its saved arguments

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from test_export_hf import TIMEOUT_S, _refusal, export_cli, hf_losses, train
+from test_export_hf import TIMEOUT_S, _refusal, export_cli, hf_losses, lm_eval_agrees, train, whole_split_eval_iters
 from tests.support.warm_launch import warm_python
 
 MOE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--kv-channels", "8",
@@ -30,20 +30,49 @@ MOE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--micro-batch-size", "2", "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
 RTOL = 1e-4
 ITERS = 8  # enough for the stash's W(T-1) to differ from W(T); fewer than the dense runs' to keep the suite fast
+SHARD = "100KB"  # the model's 264 KB of weights in three files, as the 10B's 20 GB would be in five-GB ones
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, small_corpus):
+    """The run, with Megatron's evaluation after training reading every window of the held-out split once."""
     done = train(tmp_path_factory.mktemp("moe_run"), small_corpus, MOE,
-                 ["--ckpt-format", "torch_dist", "--train-iters", str(ITERS)], eval_iters=2, nproc=4)
+                 ["--ckpt-format", "torch_dist", "--train-iters", str(ITERS)],
+                 eval_iters=whole_split_eval_iters(small_corpus), nproc=4)
     return {**done, "iteration": done["ckpt"] / f"iter_{ITERS:07d}"}
 
 
-def test_an_moe_run_exports_as_qwen3_moe_with_megatrons_loss_and_the_controls_do_not(run, tmp_path):
-    out, stash = tmp_path / "hf", tmp_path / "stash"
-    proc = export_cli(run["ckpt"], out)
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    """The run exported in safetensors shards of at most SHARD."""
+    out = tmp_path_factory.mktemp("moe_export") / "hf"
+    proc = export_cli(run["ckpt"], out, "--max-shard-size", SHARD)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "as Qwen3MoeForCausalLM" in proc.stdout and "multi-token" not in proc.stdout
+    assert "(3 shards and model.safetensors.index.json) with its tokenizer" in proc.stdout, proc.stdout[-2000:]
+    return out
+
+
+def test_the_shards_hold_every_tensor_once_within_the_size_and_the_index_names_them(exported):
+    from safetensors import safe_open
+
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in exported.glob("*.safetensors"))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    held, sizes = {}, {}
+    for name in files:
+        with safe_open(str(exported / name), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            held.update({key: name for key in f.keys()})
+            sizes[name] = sum(f.get_tensor(key).nbytes for key in f.keys())
+    assert index["weight_map"] == held
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    assert all(size <= 100_000 for size in sizes.values()), sizes
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in held  # each expert on its own, as transformers saves
+
+
+def test_an_moe_run_exports_as_qwen3_moe_with_megatrons_loss_and_the_controls_do_not(run, exported, tmp_path):
+    out, stash = exported, tmp_path / "stash"
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["tie_word_embeddings"] is False
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["norm_topk_prob"]) == (4, 2, True)
@@ -66,6 +95,29 @@ REFUSED = {  # router and layer settings Qwen3-MoE does not compute, and the fla
     "no qk-norm": ({"qk_layernorm": False}, "--qk-layernorm:"),
     "biases": ({"add_bias_linear": True}, "--disable-bias-linear:"),
 }
+
+
+def test_lm_eval_on_the_moe_export_agrees_with_the_validation_loss(run, exported, small_corpus, text_files,
+                                                                    tmp_path):
+    lm_eval_agrees(run, exported, small_corpus, text_files, tmp_path)
+
+
+def test_the_export_holds_no_earlier_group_when_it_reads_the_next(run, tmp_path):
+    """The bytes of CPU tensors alive before each group (the embedding, a layer, the output) is
+    read stay what they were before the first: no earlier group is held. Control: the same
+    count with every group kept, as an export holding the model would, grows by each group."""
+    counts = {}
+    for hold in (False, True):
+        result = tmp_path / f"live-{hold}.json"
+        argv = [str(run["ckpt"]), str(tmp_path / f"hf-{hold}"), str(result), "--max-shard-size", SHARD]
+        proc = warm_python("tests.support.export_live_bytes", argv + (["--hold"] if hold else []), TIMEOUT_S)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        counts[hold] = json.loads(result.read_text())
+    streamed, held = counts[False], counts[True]
+    assert len(streamed) == 4 and all(r["group_bytes"] > 60_000 for r in streamed)  # embedding, 2 layers, output
+    assert max(r["live_before"] for r in streamed) - streamed[0]["live_before"] <= 4096, streamed
+    grown = [r["live_before"] - held[0]["live_before"] for r in held]
+    assert all(grown[i] >= sum(r["group_bytes"] for r in held[:i]) for i in range(len(held))), held
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -116,7 +168,8 @@ def test_multi_token_prediction_layers_are_left_out_saying_so(monkeypatch, capsy
     hf_architecture.refuse_unmapped(SimpleNamespace(mtp_num_layers=2))  # not refused
     weights = {"decoder.layers.0.x": torch.zeros(1), "mtp.layers.0.a": torch.zeros(1), "mtp.layers.1.b": torch.zeros(1)}
     assert hf_weights.mtp_dropped(weights) == 2
-    done = {"mtp_dropped": 2, "directory": "d", "architecture": "Qwen3MoeForCausalLM", "out": "o", "tokenizer": False}
+    done = {"mtp_dropped": 2, "directory": "d", "architecture": "Qwen3MoeForCausalLM", "out": "o", "tokenizer": False,
+            "files": ["model.safetensors"]}
     monkeypatch.setattr(cli, "export", lambda *a, **k: done)
     cli.main(["--load", "d", "--out", "o"])
     lines = capsys.readouterr().out.splitlines()

@@ -4,14 +4,14 @@
 
 `stash` exports the 2bw stash's older weights W(T-1) instead of the live W(T): what the
 export must never do, and what the tests show to differ from Megatron's evaluation. The
-stash is read here, by replacing the reader's load, so the package has no way to export it.
+stash is read here, by pointing the reader's checkpoint keys at the stash slot's copies
+(`weight_stash.slotN.<key>`, saved at the model weights' own offsets), so the package has no
+way to export it.
 """
 
 import sys
 
-import torch
-
-from megatron_async.megatron_lm.export import ExportError, checkpoint_reader
+from megatron_async.megatron_lm.export import ExportError, checkpoint_reader, checkpoint_stream
 from megatron_async.megatron_lm.export.cli import export
 
 
@@ -25,28 +25,16 @@ def _stash_slot(directory: str) -> int:
     return stash["slot_version"].index(stash["newest"] - 1)
 
 
-@torch.no_grad()
-def load_stash(model, directory: str) -> None:
-    """The model's parameters from the stash slot of a torch_dist checkpoint."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        make_sharded_optimizer_tensor,
-    )
-
-    params = list(model.parameters())
-    by_index = get_param_id_to_sharded_param_map(model.sharded_state_dict(), params)
-    prefix = f"weight_stash.slot{_stash_slot(directory)}"
-    request = {i: make_sharded_optimizer_tensor(by_index[i], p.detach(), prefix) for i, p in enumerate(params)}
-    loaded = dist_checkpointing.load(request, directory)
-    for i, p in enumerate(params):
-        p.copy_(loaded[i])
+def read_stash(load: str) -> None:
+    """Every weight the export reads comes from the stash slot of the checkpoint `load` names."""
+    prefix = f"weight_stash.slot{_stash_slot(checkpoint_reader.locate(load, None))}."
+    checkpoint_stream._checkpoint_key = lambda sharded: prefix + sharded.key
 
 
 if __name__ == "__main__":
     version, load, out = sys.argv[1:4]
     if version == "stash":
-        checkpoint_reader._load = load_stash
+        read_stash(load)
     elif version != "live":
         sys.exit(f"version: live or stash, not {version}")
     export(load, out)

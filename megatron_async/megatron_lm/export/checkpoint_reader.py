@@ -1,11 +1,12 @@
-"""A Megatron checkpoint's weights as one pipeline stage at TP=1, read by megatron-core itself.
+"""Which checkpoint `--load` names, whether it is whole, and its weights as one pipeline stage at TP=1.
 
-The model is built by Megatron's own GPT builder from the arguments saved with the
-checkpoint, with every parallel size set to 1 (megatron_model.py), and `dist_checkpointing.load` fills it: it
-reshards any PP / TP / VPP layout the run saved at. A torch-format checkpoint is first
-read at its own layout by one forked process per model-parallel rank (torch_format_ranks.py:
+The weights are those of Megatron's own GPT built from the arguments saved with the
+checkpoint, with every parallel size set to 1 (megatron_model.py), read one group (the
+embedding, a layer, the output) at a time from torch_dist's chunks of whatever PP / TP / EP /
+VPP layout the run saved at (checkpoint_stream.py). A torch-format checkpoint is first read at
+its own layout by one forked process per model-parallel rank (torch_format_ranks.py:
 `torch.load` through Megatron's checkpoint names, then the model's `load_state_dict`), which
-save it as torch_dist for the same one-stage load.
+save it as torch_dist for the same reading; those ranks hold their files whole meanwhile.
 
 The weights taken are the model's own: the live version W(T), which Megatron evaluates,
 never the 2bw stash's older version (`weight_stash.slot*` in the optimizer's state).
@@ -14,8 +15,6 @@ never the 2bw stash's older version (`weight_stash.slot*` in the optimizer's sta
 from __future__ import annotations
 
 import os
-
-import torch
 
 from megatron_async.megatron_lm.export import ExportError, megatron_model
 
@@ -106,21 +105,13 @@ def check_complete(directory: str, args) -> None:
         megatron_model.layout_args(args)  # the ranks that read it can build its layers
 
 
-@torch.no_grad()
-def _load(model, directory: str) -> None:
-    from megatron.core import dist_checkpointing
+def read_weights(directory: str, args, scratch: str):
+    """The checkpoint's live weights, to be read one group at a time (checkpoint_stream.Weights);
+    a torch-format checkpoint is first re-saved as torch_dist under `scratch`."""
+    from megatron_async.megatron_lm.export import checkpoint_stream
 
-    sharded = model.sharded_state_dict()
-    model.load_state_dict(dist_checkpointing.load({"model": sharded}, directory)["model"], strict=True)
-
-
-def read_weights(directory: str, args, scratch: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's live weights under Megatron's one-stage names (tensors only)."""
     if not is_torch_dist(directory):
         from megatron_async.megatron_lm.export.torch_format_ranks import to_torch_dist
 
         directory = to_torch_dist(directory, args, scratch)
-    megatron_model.start_process_group()
-    model = megatron_model.build_model(megatron_model.model_config(megatron_model.one_stage_args(args)))
-    _load(model, directory)
-    return {key: value.detach().cpu() for key, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
+    return checkpoint_stream.open_weights(directory, args)

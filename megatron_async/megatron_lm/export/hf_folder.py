@@ -1,6 +1,8 @@
-"""The Hugging Face model folder: written whole into a staging folder beside `--out`, then renamed.
+"""The Hugging Face model folder: written into a staging folder beside `--out`, then renamed.
 
-A reader of `--out` sees no folder or a complete one: an export stopped midway leaves only
+The weights go in one group at a time as the checkpoint is read (safetensors_shards.py: one
+`model.safetensors`, or files of at most `--max-shard-size` and their index), then the
+config, generation config and tokenizer. A reader of `--out` sees no folder or a complete one: an export stopped midway leaves only
 a hidden `.NAME.export-*` folder beside it (removed when the export fails in Python). `--out`
 must not exist or be empty; a folder with anything in it, a model above all, is refused, and so
 is a parent folder that is missing or cannot be written, before the checkpoint is read. A write
@@ -13,13 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 
-from megatron_async.megatron_lm.export import ExportError
+from megatron_async.megatron_lm.export import ExportError, safetensors_shards
 from megatron_async.megatron_lm.export.write_failures import refused_as_out
 
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+WRITING = "writing the model folder; nothing is left at --out"
+DEFAULT_MAX_BYTES = safetensors_shards.parse_size(safetensors_shards.DEFAULT_MAX_SHARD_SIZE)
 SENTENCEPIECE_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
@@ -37,7 +43,7 @@ def check_out(out: str) -> None:
     if not os.path.isdir(out):
         raise ExportError(f"--out {out}: exists and is not a folder")
     held = sorted(os.listdir(out))
-    model = [name for name in held if name in MODEL_FILES]
+    model = [name for name in held if name in MODEL_FILES or SHARD.fullmatch(name)]
     if model:
         raise ExportError(f"--out {out}: already holds a model ({', '.join(model)}); choose another folder")
     if held:
@@ -93,31 +99,53 @@ def _usual_modes(folder: str) -> None:
         os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
-def write(out: str, hf_config, state_dict: dict, tokenizer_path: str | None) -> None:
-    """Config, weights (safetensors), generation config and tokenizer, staged and renamed to `out`;
-    a write the file system refuses is one refusal naming `--out`, with nothing left there."""
-    with refused_as_out(out, "writing the model folder; nothing is left at --out"):
-        _stage_and_rename(os.path.abspath(out), hf_config, state_dict, tokenizer_path)
+def write(out: str, hf_config, state_dict: dict, tokenizer_path: str | None,
+          max_shard_size: int = DEFAULT_MAX_BYTES) -> list[str]:
+    """A model whose weights are all in memory (`state_dict`, transformers' saved names): see write_streamed."""
+    specs = [(key, tuple(value.shape), value.dtype) for key, value in state_dict.items()]
+    return write_streamed(out, hf_config, specs, [state_dict], tokenizer_path, max_shard_size)
 
 
-def _stage_and_rename(out: str, hf_config, state_dict: dict, tokenizer_path: str | None) -> None:
-    import torch
-    import transformers
-
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=os.path.dirname(out))
+def write_streamed(out: str, hf_config, specs: list[tuple], groups, tokenizer_path: str | None,
+                   max_shard_size: int = DEFAULT_MAX_BYTES) -> list[str]:
+    """Weights (safetensors, split at `max_shard_size`), config, generation config and tokenizer,
+    staged and renamed to `out`. `specs`: every tensor's (name, shape, dtype) in the order
+    `groups` (an iterable of dicts, each read only when its turn comes) yields them. A write the
+    file system refuses is one refusal naming `--out`; on any failure nothing is left there.
+    Returns the weight files written."""
+    out = os.path.abspath(out)
+    with refused_as_out(out, WRITING):
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=os.path.dirname(out))
+    writer = safetensors_shards.Writer(staging, specs, max_shard_size)
     try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=hf_config.dtype)
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        model.tie_weights()
-        model.generation_config = transformers.GenerationConfig.from_model_config(hf_config)
-        model.save_pretrained(staging)
-        if tokenizer_path is not None:
-            _write_tokenizer(tokenizer_path, staging)
-        _usual_modes(staging)
-        with contextlib.suppress(FileNotFoundError, OSError):
-            os.rmdir(out)  # an empty --out (check_out refused any other)
-        os.rename(staging, out)
+        for group in groups:  # read outside the refusal: a failed read is no failure of --out
+            with refused_as_out(out, WRITING):
+                _write_group(writer, group)
+            del group  # before the next group is read
+        with refused_as_out(out, WRITING):
+            files = writer.finish()
+            _write_configs(staging, hf_config, tokenizer_path)
+            _usual_modes(staging)
+            with contextlib.suppress(FileNotFoundError, OSError):
+                os.rmdir(out)  # an empty --out (check_out refused any other)
+            os.rename(staging, out)
+        return files
     except BaseException:
+        writer.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _write_group(writer, group: dict) -> None:
+    """A group's tensors into the files (a function, so that no name outlives the group)."""
+    for name, tensor in group.items():
+        writer.add(name, tensor)
+
+
+def _write_configs(folder: str, hf_config, tokenizer_path: str | None) -> None:
+    import transformers
+
+    hf_config.save_pretrained(folder)
+    transformers.GenerationConfig.from_model_config(hf_config).save_pretrained(folder)
+    if tokenizer_path is not None:
+        _write_tokenizer(tokenizer_path, folder)
