@@ -11,12 +11,14 @@ serves every test here:
   cut the same tokens into different windows). Control: the untrained model's loss
   (iteration 1) is outside that.
 - Bad input is refused naming what is wrong, before any weight is read and anything is
-  written: no tracker, a torn checkpoint, a file whose bytes changed since the save
-  (training's checksum check; `--no-checkpoint-checksums` skips it), an architecture no
-  class computes, an `--out` that holds a model, or whose parent is missing or read-only
-  (before the checkpoint is read).
-- A write the file system refuses (read-only, full, a permission) is one refusal naming
-  `--out` and the cause, with nothing left there.
+  written: no tracker, a torn checkpoint (a file missing or cut short, or a weight's chunk
+  missing from torch_dist's index, which the layer-by-layer read would otherwise leave
+  unread), a file whose bytes changed since the save (training's checksum check;
+  `--no-checkpoint-checksums` skips it), an architecture no class computes, an `--out` that
+  holds a model (one file or shards), or whose parent is missing or read-only, a
+  `--max-shard-size` that is no size (before the checkpoint is read).
+- A write the file system refuses (read-only, full, a permission; a disk that fills between
+  shards) is one refusal naming `--out` and the cause, with nothing left there.
 """
 
 import copy
@@ -225,13 +227,14 @@ def test_an_architecture_no_class_computes_is_refused_naming_the_flag(run, tmp_p
     assert not (tmp_path / "hf").exists()
 
 
-def test_an_out_folder_that_holds_a_model_is_refused(run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("held", ["config.json", "model-00002-of-00003.safetensors"])
+def test_an_out_folder_that_holds_a_model_is_refused(run, tmp_path, monkeypatch, held):
     out = tmp_path / "hf"
     out.mkdir()
-    (out / "config.json").write_text("{}")
+    (out / held).write_text("{}")
     message = _refusal(run["ckpt"], out, monkeypatch)
-    assert f"--out {out}: already holds a model (config.json)" in message, message
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert f"--out {out}: already holds a model ({held})" in message, message
+    assert sorted(p.name for p in out.iterdir()) == [held]
 
 
 def test_a_missing_tokenizer_model_is_refused(run, tmp_path, monkeypatch):
@@ -247,6 +250,43 @@ def test_the_command_refuses_with_one_error_line_and_exit_2(run, tmp_path):
     errors = [line for line in proc.stdout.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("megatron-async: error: --load "), errors
     assert not (tmp_path / "hf").exists()
+
+
+def _drop_from_index(directory: Path, key: str, layer: int | None) -> None:
+    """Take `key`'s saved chunk of one layer (or, `layer` None, the whole key) out of torch_dist's
+    index (`.metadata`), as in a save torn before every rank's part was recorded; the data files
+    stay as they are, so the files' own check finds nothing missing."""
+    import pickle
+
+    path = directory / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    if layer is None:
+        del metadata.state_dict_metadata[key]
+    else:
+        chunks = metadata.state_dict_metadata[key].chunks
+        chunks.remove(next(chunk for chunk in chunks if chunk.offsets[0] == layer))
+    path.write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("torn", ["a layer's chunk", "a whole key"])
+def test_a_checkpoint_whose_index_lacks_a_weight_is_refused_before_anything_is_written(run, tmp_path, torn):
+    """The export reads chunk by chunk; a chunk the index does not hold would leave its part of
+    the weight as whatever memory held (exported without a word). Refused, naming the key and
+    where, with nothing at `--out` and no staging folder beside it. Checksums are skipped: the
+    index changed since the save, which they would name first."""
+    ckpt = _copy(run, tmp_path)
+    directory = ckpt / f"iter_{ITERS:07d}"
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    _drop_from_index(directory, key, 1 if torn == "a layer's chunk" else None)
+    (tmp_path / "out").mkdir()
+    proc = export_cli(ckpt, tmp_path / "out" / "hf", "--no-checkpoint-checksums")
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    errors = [line for line in proc.stdout.splitlines() if "error" in line.lower()]
+    expected = (f"is torn: no saved chunk holds part of {key} at offset (1, 0, 0)" if torn == "a layer's chunk"
+                else f"holds no tensor {key}")
+    assert len(errors) == 1 and errors[0].startswith(f"megatron-async: error: --load: {directory}"), errors
+    assert expected in errors[0], errors[0]
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_the_gelu_mapped_is_the_one_megatrons_mlp_applies():
@@ -399,6 +439,19 @@ def test_an_out_whose_parent_is_missing_is_refused_before_the_checkpoint_is_read
     assert code == 2 and errors == [f"megatron-async: error: --out {out}: its parent folder does not exist"], errors
 
 
+def test_max_shard_size_reads_sizes_as_hugging_face_writes_them_and_refuses_others(run, tmp_path, monkeypatch,
+                                                                                    capsys):
+    from megatron_async.megatron_lm.export.safetensors_shards import parse_size
+
+    assert [parse_size(t) for t in ("5GB", "500MB", "2GiB", "1.5KB", "1000")] == [5 * 10**9, 5 * 10**8, 2 * 2**30,
+                                                                                 1500, 1000]
+    for bad in ("0", "5 potatoes"):
+        code, errors, _ = _command(["--load", run["ckpt"], "--out", tmp_path / "hf", "--max-shard-size", bad],
+                                   monkeypatch, capsys, read="checkpoint")
+        assert code == 2 and len(errors) == 1 and errors[0].startswith(
+            f"megatron-async: error: --max-shard-size {bad}: "), errors
+
+
 def test_an_out_on_a_read_only_file_system_is_refused_before_the_checkpoint_is_read(run, tmp_path, tmpfs,
                                                                                     monkeypatch, capsys):
     out = tmpfs("read_only", "ro,size=1m") / "hf"
@@ -421,9 +474,8 @@ def _small_gpt2(vocab: int):
 def test_a_write_the_file_system_refuses_is_one_refusal_naming_out_and_leaves_nothing(tmp_path, tmpfs, options,
                                                                                       cause):
     """Past the checks before the read (the file system turned read-only, or filled, meanwhile):
-    Python's OSError and safetensors' SafetensorError become the same refusal naming `--out` and
-    the cause, and the staging folder is removed. Control: the same folder fits a writable tmpfs
-    with room."""
+    the OSError of a weight file's write becomes the refusal naming `--out` and the cause, and the
+    staging folder is removed. Control: the same folder fits a writable tmpfs with room."""
     from megatron_async.megatron_lm.export import ExportError, hf_folder
 
     config, state = _small_gpt2(vocab=1024)  # about 0.5 MiB of weights
@@ -435,6 +487,30 @@ def test_a_write_the_file_system_refuses_is_one_refusal_naming_out_and_leaves_no
     roomy = tmpfs("roomy", "size=4m")
     hf_folder.write(str(roomy / "hf"), config, state, None)
     assert (roomy / "hf" / "model.safetensors").stat().st_size > 128 * 1024
+
+
+def test_a_disk_that_fills_between_shards_leaves_no_shard_and_no_index(tmp_path, tmpfs):
+    """The weights in 64 KB files: the disk (256 KB) fills after some are complete. Refused as
+    a full disk naming `--out`; the complete shards and the cut one go with the staging folder,
+    and no index is written. Control: a roomy tmpfs gets every shard and the index, which
+    transformers loads to the same weights."""
+    import transformers
+
+    from megatron_async.megatron_lm.export import ExportError, hf_folder
+
+    config, state = _small_gpt2(vocab=1024)
+    state = {key: value for key, value in state.items() if key != "lm_head.weight"}  # tied: saved once
+    where = tmpfs("full", "size=256k")
+    with pytest.raises(ExportError) as refused:
+        hf_folder.write(str(where / "hf"), config, state, None, max_shard_size=64 * 1024)
+    assert str(refused.value).startswith(f"--out {where / 'hf'}: no space left on its device (writing"), refused.value
+    assert list(where.iterdir()) == []
+    roomy = tmpfs("roomy", "size=4m")
+    files = hf_folder.write(str(roomy / "hf"), config, state, None, max_shard_size=64 * 1024)
+    assert len(files) > 5 and files[-1] == "model.safetensors.index.json", files
+    assert sorted(p.name for p in (roomy / "hf").iterdir()) == sorted(files + ["config.json", "generation_config.json"])
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(roomy / "hf").state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
 
 
 @pytest.mark.parametrize("failure, cause", [

@@ -1,8 +1,7 @@
 """A write under `--out` that the file system refuses, as one refusal naming `--out` and the cause.
 
-The folder is written by Python (config files, the staging folder, its rename), by safetensors
-(the weights; its SafetensorError carries the OS error in its text) and by the `tokenizers`
-library (a plain Exception with "os error N" in its text). Each of these failures is the same
+The folder is written by Python (the safetensors files, config files, the staging folder, its
+rename) and by the `tokenizers` library (a plain Exception with "os error N" in its text). Each of these failures is the same
 thing to the user, a read-only file system, a full disk or a permission: one line, whatever
 library met it. Any other exception is a defect of the exporter and propagates as it is.
 """
@@ -28,14 +27,6 @@ _CAUSES = {  # errno: (the cause, the fix)
 }
 
 
-def _is_safetensors_error(exc: BaseException) -> bool:
-    try:
-        from safetensors import SafetensorError
-    except ImportError:
-        return False
-    return isinstance(exc, SafetensorError)
-
-
 def os_error_number(exc: BaseException) -> int | None:
     """The OS error number behind a failed write, from Python's OSError or a library's message."""
     if isinstance(exc, OSError) and exc.errno:
@@ -47,7 +38,7 @@ def os_error_number(exc: BaseException) -> int | None:
 def refusal(out: str, doing: str, exc: BaseException) -> ExportError | None:
     """The refusal for a failed write under `--out`, or None for an exception that is no write failure."""
     number = os_error_number(exc)
-    if number is None and not isinstance(exc, OSError) and not _is_safetensors_error(exc):
+    if number is None and not isinstance(exc, OSError):
         return None
     if number in _CAUSES:
         cause, fix = _CAUSES[number]
