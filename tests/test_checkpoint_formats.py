@@ -14,7 +14,8 @@ import json
 import shutil
 
 import pytest
-from test_megatron_loop import ITERS, MARKERLESS_RESUME, OLD_ENTRY, RESUME, _assert_same, _logged_losses, _losses, _run
+from test_megatron_loop import MARKERLESS_RESUME, OLD_ENTRY, RESUME
+from tests.support.loop_runs import ITERS, assert_same, logged_losses, losses, run
 
 TORCH = [a for a in RESUME if a not in ("--ckpt-format", "torch_dist")] + ["--ckpt-format", "torch"]
 PP2_2BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
@@ -23,17 +24,17 @@ SAVED_AT = 4
 
 def _first_half(tmp_path, nproc, flags):
     ckpt = tmp_path / "ckpt"
-    proc, first = _run(tmp_path, "first", nproc, flags + ["--save", str(ckpt), "--save-interval", str(SAVED_AT),
-                                                          "--exit-interval", str(SAVED_AT)])
+    proc, first = run(tmp_path, "first", nproc, flags + ["--save", str(ckpt), "--save-interval", str(SAVED_AT),
+                                                         "--exit-interval", str(SAVED_AT)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     return ckpt, first
 
 
-def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second", **run):
-    proc, second = _run(tmp_path, name, nproc, flags + ["--load", str(ckpt), "--save", str(ckpt),
-                                                        "--save-interval", "100"], **run)
+def _resumed_losses(tmp_path, nproc, flags, ckpt, first, name="second", **kw):
+    proc, second = run(tmp_path, name, nproc, flags + ["--load", str(ckpt), "--save", str(ckpt),
+                                                       "--save-interval", "100"], **kw)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    return _logged_losses(first, second)
+    return logged_losses(first, second)
 
 
 CASES = {
@@ -49,7 +50,7 @@ CASES = {
 def test_torch_format_resume_equals_the_uninterrupted_run(tmp_path, case):
     nproc, flags = CASES[case]
     flags = TORCH + flags
-    full = _losses(tmp_path, "full", nproc, flags)
+    full = losses(tmp_path, "full", nproc, flags)
     ckpt, first = _first_half(tmp_path, nproc, flags)
     bare = tmp_path / "bare"  # for the negative control: the same checkpoint, our state removed
     shutil.copytree(ckpt, bare)
@@ -60,12 +61,12 @@ def test_torch_format_resume_equals_the_uninterrupted_run(tmp_path, case):
     assert len(list((ckpt / f"iter_{SAVED_AT:07d}" / "megatron_async").glob("*.pt"))) == nproc
     resumed = _resumed_losses(tmp_path, nproc, flags, ckpt, first)
     assert len(resumed) == ITERS
-    _assert_same(resumed, full)
+    assert_same(resumed, full)
     if case == "muon + DC-ASGD":  # negative control: the same checkpoint without our state resumes elsewhere
         without = _resumed_losses(tmp_path, nproc, flags, bare, first, name="without", module=OLD_ENTRY,
                                   env=MARKERLESS_RESUME)
         with pytest.raises(AssertionError):
-            _assert_same(without, full)
+            assert_same(without, full)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_a_missing_rank_file_stops_the_resume_naming_it(tmp_path, torch_checkpoi
     ckpt = _copy(torch_checkpoint, tmp_path)
     files = sorted((ckpt / f"iter_{SAVED_AT:07d}" / "megatron_async").glob("*.pt"))
     files[-1].unlink()
-    proc, metrics = _run(tmp_path, "second", 2, flags + ["--load", str(ckpt)])
+    proc, metrics = run(tmp_path, "second", 2, flags + ["--load", str(ckpt)])
     assert proc.returncode != 0
     assert f"{files[-1].name} is missing" in proc.stdout, proc.stdout[-4000:]
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
@@ -104,14 +105,14 @@ def test_a_promised_stash_that_was_not_restored_stops_the_run(tmp_path, torch_ch
     for key in ("per_rank_state", "layout", "ckpt_format", "marker_checksum"):
         marker.pop(key)
     (iteration / "megatron_async.json").write_text(json.dumps(marker))
-    proc, _ = _run(tmp_path, "second", 2, flags + ["--load", str(ckpt)])
+    proc, _ = run(tmp_path, "second", 2, flags + ["--load", str(ckpt)])
     assert proc.returncode != 0
     assert "says it holds the 2bw weight stash, but it was not restored" in proc.stdout, proc.stdout[-4000:]
 
 
 def _refusal(tmp_path, name, nproc, flags) -> str:
     """The one error line of a run refused before training (exit 2, no iteration logged)."""
-    proc, metrics = _run(tmp_path, name, nproc, flags)
+    proc, metrics = run(tmp_path, name, nproc, flags)
     assert proc.returncode == 2, proc.stdout[-4000:]
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
     return next(line for line in proc.stdout.splitlines() if "megatron-async: error:" in line)
@@ -125,7 +126,7 @@ def test_another_layout_is_refused_before_training_naming_both(tmp_path, torch_c
 
 def test_a_synchronous_resume_says_it_does_not_use_the_stash(tmp_path, torch_checkpoint):
     ckpt = _copy(torch_checkpoint, tmp_path)
-    proc, metrics = _run(tmp_path, "sync", 2, TORCH + ["--pipeline-model-parallel-size", "2", "--load", str(ckpt)])
+    proc, metrics = run(tmp_path, "sync", 2, TORCH + ["--pipeline-model-parallel-size", "2", "--load", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "this run is synchronous and does not use it" in proc.stdout
     assert "lm_loss" in metrics.read_text()
@@ -135,7 +136,7 @@ def test_ef_switched_on_at_a_resume_starts_empty_and_says_so(tmp_path, torch_che
     """A checkpoint saved without a delay correction, resumed with --delay-correction ef:
     it trains, and says that EF starts with no previous update."""
     ckpt = _copy(torch_checkpoint, tmp_path)
-    proc, metrics = _run(tmp_path, "ef", 2, TORCH + PP2_2BW + ["--delay-correction", "ef", "--load", str(ckpt)])
+    proc, metrics = run(tmp_path, "ef", 2, TORCH + PP2_2BW + ["--delay-correction", "ef", "--load", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "holds no delay-correction state; --delay-correction ef starts without a previous update" in proc.stdout
     assert "lm_loss" in metrics.read_text()
@@ -143,7 +144,7 @@ def test_ef_switched_on_at_a_resume_starts_empty_and_says_so(tmp_path, torch_che
 
 def test_ef_switched_off_at_a_resume_leaves_its_state_unused(tmp_path):
     ckpt, _ = _first_half(tmp_path, 2, TORCH + PP2_2BW + ["--delay-correction", "ef"])
-    proc, metrics = _run(tmp_path, "no_ef", 2, TORCH + PP2_2BW + ["--load", str(ckpt)])
+    proc, metrics = run(tmp_path, "no_ef", 2, TORCH + PP2_2BW + ["--load", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "holds delay-correction state; this run has no --delay-correction and does not use it" in proc.stdout
     assert "lm_loss" in metrics.read_text()
@@ -171,7 +172,7 @@ def test_another_delay_at_a_resume_is_refused_naming_the_saved_one(tmp_path, tor
 
 def test_no_load_optim_says_the_stash_is_not_loaded(tmp_path, torch_checkpoint):
     ckpt = _copy(torch_checkpoint, tmp_path)
-    proc, metrics = _run(tmp_path, "fresh_optim", 2, TORCH + PP2_2BW + ["--no-load-optim", "--load", str(ckpt)])
+    proc, metrics = run(tmp_path, "fresh_optim", 2, TORCH + PP2_2BW + ["--no-load-optim", "--load", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "--no-load-optim: the checkpoint's weight stash is not loaded; both weight versions start equal" \
         in proc.stdout, proc.stdout[-4000:]
@@ -183,10 +184,10 @@ def test_a_resume_with_nothing_left_to_train_evaluates_and_exits(tmp_path):
     still runs through the 2bw runtime."""
     flags = TORCH + PP2_2BW
     ckpt = tmp_path / "ckpt"
-    proc, _ = _run(tmp_path, "whole", 2, flags + ["--save", str(ckpt), "--save-interval", "100"])
+    proc, _ = run(tmp_path, "whole", 2, flags + ["--save", str(ckpt), "--save-interval", "100"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-    proc, metrics = _run(tmp_path, "done", 2, flags + ["--load", str(ckpt)])
+    proc, metrics = run(tmp_path, "done", 2, flags + ["--load", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert not any("lm_loss" in r for r in records), records  # no step taken

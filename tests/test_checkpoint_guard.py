@@ -9,10 +9,11 @@ changed --train-iters on resume are each reported in one line naming what to do.
 import os
 
 import pytest
-from test_megatron_loop import RESUME, _run
+from test_megatron_loop import RESUME
 from test_refusals import BASE, _without
 
 from megatron_async.megatron_lm.safety.checkpoint_guard import resume_problem, unwritable_save
+from tests.support.loop_runs import run
 from tests.support.refusals import check_in_one_process
 
 
@@ -99,11 +100,11 @@ TORCH_DIST = RESUME + ["--pipeline-model-parallel-size", "2", "--pipeline-schedu
 
 def test_a_truncated_checkpoint_is_named_with_the_previous_complete_one(tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4"])
+    proc, _ = run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     shard = max((ckpt / "iter_0000008").glob("*.distcp"), key=os.path.getsize)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    proc, _ = _run(tmp_path, "second", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "8"])
+    proc, _ = run(tmp_path, "second", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "8"])
     assert proc.returncode == 2, proc.stdout[-4000:]
     line = next(line for line in proc.stdout.splitlines() if "cannot be loaded" in line)
     assert "iter_0000008" in line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, line
@@ -114,13 +115,13 @@ def test_a_truncated_checkpoint_is_named_with_the_previous_complete_one(tmp_path
 def tied_checkpoint(tmp_path_factory):
     """A tied 2bw PP=2 run checkpointed (torch_dist) at iterations 4 and 8: its resume reads
     the checkpoint in Megatron's argument validation already (the tie must match)."""
-    import test_megatron_loop as loop
+    from tests.support import loop_runs as loop
 
     root = tmp_path_factory.mktemp("tied")
     model = loop.MODEL
     loop.MODEL = [a for a in model if a != "--untie-embeddings-and-output-weights"]
     try:
-        proc, _ = _run(root, "first", 2, TORCH_DIST + ["--save", str(root / "ckpt"), "--save-interval", "4"])
+        proc, _ = run(root, "first", 2, TORCH_DIST + ["--save", str(root / "ckpt"), "--save-interval", "4"])
     finally:
         loop.MODEL = model
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -136,7 +137,7 @@ def test_a_damaged_checkpoint_read_in_validation_is_named_and_the_advice_works(t
                                                                                monkeypatch):
     import shutil
 
-    import test_megatron_loop as loop
+    from tests.support import loop_runs as loop
 
     monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
     ckpt = tmp_path / "ckpt"
@@ -146,14 +147,14 @@ def test_a_damaged_checkpoint_read_in_validation_is_named_and_the_advice_works(t
         path.write_bytes(b"")
     else:
         path.unlink()
-    proc, _ = _run(tmp_path, "second", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "8"])
+    proc, _ = run(tmp_path, "second", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "8"])
     assert proc.returncode == 2, proc.stdout[-4000:]
     line = next(line for line in proc.stdout.splitlines() if "cannot be loaded" in line)
     assert "iter_0000008" in line and "previous complete checkpoint is iteration 4 (--ckpt-step 4)" in line, line
     assert f"damaged: {path}" in line, line
     # the advice as given: resume from 4 into the same --save (the damaged 8 is saved again)
-    proc, _ = _run(tmp_path, "advice", 2, TORCH_DIST + ["--load", str(ckpt), "--save", str(ckpt), "--save-interval",
-                                                        "4", "--ckpt-step", "4", "--train-iters", "8"])
+    proc, _ = run(tmp_path, "advice", 2, TORCH_DIST + ["--load", str(ckpt), "--save", str(ckpt), "--save-interval",
+                                                       "4", "--ckpt-step", "4", "--train-iters", "8"])
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
@@ -215,14 +216,14 @@ def test_flipped_bytes_in_a_shard_are_refused_before_training_naming_the_file(tm
     rank with the file and the previous complete checkpoint, whose advice then resumes, verified."""
     import shutil
 
-    import test_megatron_loop as loop
+    from tests.support import loop_runs as loop
 
     monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tied_checkpoint, ckpt)
     flipped = _flip_16_bytes(ckpt / "iter_0000008")
     longer = ["--train-iters", "12", "--override-opt_param-scheduler"]
-    proc, _ = _run(tmp_path, "flipped", 2, TORCH_DIST + ["--load", str(ckpt)] + longer, peers_exit_s=30)
+    proc, _ = run(tmp_path, "flipped", 2, TORCH_DIST + ["--load", str(ckpt)] + longer, peers_exit_s=30)
     assert proc.returncode == 2, proc.stdout[-4000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("megatron-async: error:") and "cannot be loaded" in x]
     assert {x[-len("(rank 0)"):] for x in lines} == {"(rank 0)", "(rank 1)"}, proc.stdout[-4000:]
@@ -231,8 +232,8 @@ def test_flipped_bytes_in_a_shard_are_refused_before_training_naming_the_file(tm
     assert " iteration        9/" not in proc.stdout
     # the advice as given: iteration 8 moved out of --save, resume from 4 into it
     shutil.move(ckpt / "iter_0000008", tmp_path / "damaged_iter_0000008")
-    proc, _ = _run(tmp_path, "advice", 2, TORCH_DIST + ["--load", str(ckpt), "--save", str(ckpt), "--save-interval",
-                                                        "4", "--ckpt-step", "4", "--train-iters", "8"])
+    proc, _ = run(tmp_path, "advice", 2, TORCH_DIST + ["--load", str(ckpt), "--save", str(ckpt), "--save-interval",
+                                                       "4", "--ckpt-step", "4", "--train-iters", "8"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert f"files of {ckpt / 'iter_0000004'} (" in proc.stdout and "match their checksums" in proc.stdout
 
@@ -244,13 +245,13 @@ def test_the_opt_out_takes_no_checksums_and_a_checkpoint_without_them_loads_sayi
     (this one, or one written by a megatron-async without them) loads, saying so."""
     import shutil
 
-    import test_megatron_loop as loop
+    from tests.support import loop_runs as loop
 
     monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tied_checkpoint, ckpt)
     _flip_16_bytes(ckpt / "iter_0000008")
-    proc, metrics = _run(tmp_path, "opted_out", 2, TORCH_DIST + [
+    proc, metrics = run(tmp_path, "opted_out", 2, TORCH_DIST + [
         "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4", "--train-iters", "12",
         "--override-opt_param-scheduler", "--no-checkpoint-checksums"])
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -258,7 +259,7 @@ def test_the_opt_out_takes_no_checksums_and_a_checkpoint_without_them_loads_sayi
     assert " iteration       12/" in proc.stdout
     held = _marker(ckpt / "iter_0000012")
     assert held["weight_stash"] and "checksums" not in held, held
-    proc, _ = _run(tmp_path, "unverified", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12"])
+    proc, _ = run(tmp_path, "unverified", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     said = [x for x in proc.stdout.splitlines() if "holds no checksums of its files" in x]
     assert len(said) == 1 and str(ckpt / "iter_0000012") in said[0], proc.stdout[-4000:]
@@ -270,7 +271,7 @@ def test_a_flipped_metadata_is_one_line_before_megatrons_argument_dump(tmp_path,
     Refused there, in one line naming the file, with no traceback and no argument dump."""
     import shutil
 
-    import test_megatron_loop as loop
+    from tests.support import loop_runs as loop
 
     monkeypatch.setattr(loop, "MODEL", [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"])
     ckpt = tmp_path / "ckpt"
@@ -279,8 +280,8 @@ def test_a_flipped_metadata_is_one_line_before_megatrons_argument_dump(tmp_path,
     data = bytearray(metadata.read_bytes())
     data[len(data) // 2:len(data) // 2 + 16] = bytes(b ^ 0x01 for b in data[len(data) // 2:len(data) // 2 + 16])
     metadata.write_bytes(bytes(data))
-    proc, _ = _run(tmp_path, "flipped_metadata", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12",
-                                                                  "--override-opt_param-scheduler"])
+    proc, _ = run(tmp_path, "flipped_metadata", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12",
+                                                                 "--override-opt_param-scheduler"])
     assert proc.returncode == 2, proc.stdout[-4000:]
     errors = {x for x in proc.stdout.splitlines() if x.startswith("megatron-async: error:")}
     assert len(errors) == 1, errors
@@ -309,7 +310,7 @@ def test_an_edited_marker_is_refused_and_so_is_a_stash_it_denies(tmp_path, tied_
     --no-load-optim. Control: the intact checkpoint passes."""
     import shutil
 
-    import test_megatron_loop as loop
+    from tests.support import loop_runs as loop
 
     model = [a for a in loop.MODEL if a != "--untie-embeddings-and-output-weights"]
     resume = [*model, *loop.TRAIN, *TORCH_DIST, "--train-iters", "12", "--override-opt_param-scheduler"]
@@ -336,17 +337,17 @@ def test_an_edited_marker_is_refused_and_so_is_a_stash_it_denies(tmp_path, tied_
 
 def test_a_longer_run_on_resume_names_the_scheduler_flags(tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4",
-                                                       "--exit-interval", "4"])
+    proc, _ = run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), "--save-interval", "4",
+                                                      "--exit-interval", "4"])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    longer = [a if a != "8" else "16" for a in TORCH_DIST]  # ITERS is 8 in test_megatron_loop's TRAIN
-    proc, metrics = _run(tmp_path, "longer", 2, longer + ["--load", str(ckpt), "--train-iters", "16"])
+    longer = [a if a != "8" else "16" for a in TORCH_DIST]  # ITERS is 8 in tests/support/loop_runs.py's TRAIN
+    proc, metrics = run(tmp_path, "longer", 2, longer + ["--load", str(ckpt), "--train-iters", "16"])
     assert proc.returncode == 2, proc.stdout[-4000:]
     assert "--override-opt_param-scheduler" in proc.stdout and "--use-checkpoint-opt_param-scheduler" in proc.stdout
     assert "is 16 in this run but 8 in the checkpoint" in proc.stdout, proc.stdout[-3000:]  # iterations, not samples
     assert not metrics.exists() or "lm_loss" not in metrics.read_text()
-    proc, _ = _run(tmp_path, "override", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "16",
-                                                          "--override-opt_param-scheduler"])
+    proc, _ = run(tmp_path, "override", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "16",
+                                                         "--override-opt_param-scheduler"])
     assert proc.returncode == 0, proc.stdout[-4000:]  # the flag it names works
 
 
@@ -371,7 +372,7 @@ TORCH_FORMAT = [a for a in TORCH_DIST if a not in ("--ckpt-format", "torch_dist"
 def torch_format_checkpoint(tmp_path_factory):
     """A 2bw PP=2 run checkpointed in the torch format at iterations 4 and 8."""
     root = tmp_path_factory.mktemp("torn")
-    proc, _ = _run(root, "first", 2, TORCH_FORMAT + ["--save", str(root / "ckpt"), "--save-interval", "4"])
+    proc, _ = run(root, "first", 2, TORCH_FORMAT + ["--save", str(root / "ckpt"), "--save-interval", "4"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     return root / "ckpt"
 
@@ -400,7 +401,7 @@ def test_a_torn_torch_format_checkpoint_fails_naming_the_file_and_the_rank(tmp_p
     import re
 
     from tests.support.launch import _torchrun
-    from test_megatron_loop import CPU, MODEL, TRAIN
+    from tests.support.loop_runs import CPU, MODEL, TRAIN
 
     from tests.support.warm_launch import warm_run
 

@@ -17,7 +17,7 @@ Megatron's first log line says its grad norm is the last stage's own.
 import json
 
 from test_checkpoint_guard import TORCH_DIST
-from test_megatron_loop import CPU, MODEL, TRAIN, _logged_losses, _run
+from tests.support.loop_runs import CPU, MODEL, TRAIN, logged_losses, run
 
 from tests.support.warm_launch import warm_run
 
@@ -33,10 +33,10 @@ def test_a_job_lost_right_after_megatrons_save_leaves_the_marker(tmp_path):
     assert proc.returncode == 9, proc.stdout[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert (ckpt / "iter_0000008" / "megatron_async.json").is_file()
-    proc, metrics = _run(tmp_path, "resumed", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12",
-                                                               "--override-opt_param-scheduler"])
+    proc, metrics = run(tmp_path, "resumed", 2, TORCH_DIST + ["--load", str(ckpt), "--train-iters", "12",
+                                                              "--override-opt_param-scheduler"])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "holds no weight stash" not in proc.stdout and len(_logged_losses(metrics)) == 4
+    assert "holds no weight stash" not in proc.stdout and len(logged_losses(metrics)) == 4
     first = json.loads(metrics.read_text().splitlines()[0])  # timed from the start of Megatron's train
     assert first["iteration"] == 9 and isinstance(first["s_per_iter"], float) and first["s_per_iter"] > 0, first
     lines = proc.stdout.splitlines()
@@ -48,13 +48,13 @@ def test_a_job_lost_right_after_megatrons_save_leaves_the_marker(tmp_path):
 
 def test_a_tracked_checkpoint_without_its_marker_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc, _ = _run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), *SAVE])
+    proc, _ = run(tmp_path, "first", 2, TORCH_DIST + ["--save", str(ckpt), *SAVE])
     assert proc.returncode == 0, proc.stdout[-4000:]
     (ckpt / "iter_0000008" / "megatron_async.json").unlink()
     longer = ["--train-iters", "12", "--override-opt_param-scheduler"]
-    proc, _ = _run(tmp_path, "refused", 2, TORCH_DIST + ["--load", str(ckpt)] + longer)
+    proc, _ = run(tmp_path, "refused", 2, TORCH_DIST + ["--load", str(ckpt)] + longer)
     assert proc.returncode == 2, proc.stdout[-4000:]
     line = next(line for line in proc.stdout.splitlines() if "megatron_async.json" in line and "error" in line)
     assert "iter_0000008" in line and "(--ckpt-step 4)" in line and "--no-load-optim" in line, line
-    proc, _ = _run(tmp_path, "fresh_versions", 2, TORCH_DIST + ["--load", str(ckpt), "--no-load-optim"] + longer)
+    proc, _ = run(tmp_path, "fresh_versions", 2, TORCH_DIST + ["--load", str(ckpt), "--no-load-optim"] + longer)
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -11,7 +11,7 @@ to Megatron's distributed optimizer (megatron_async/cpu.py).
 """
 
 from test_checkpoint_formats import RESHARD_RTOL, _close
-from test_megatron_loop import ITERS, _assert_same, _logged_losses, _losses, _run
+from tests.support.loop_runs import ITERS, assert_same, logged_losses, losses, run
 
 SAVED_AT = 4
 PP2_2BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
@@ -23,20 +23,20 @@ DIST_OPT = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer", "--ove
 
 def _resumed(tmp_path, name, nproc, ckpt, extra=()):
     """Losses of iterations 1..ITERS: the reference's up to SAVED_AT, then this resume's."""
-    proc, metrics = _run(tmp_path, name, nproc, DIST_OPT + ["--load", str(ckpt), "--ckpt-step", str(SAVED_AT),
-                                                            *extra])
+    proc, metrics = run(tmp_path, name, nproc, DIST_OPT + ["--load", str(ckpt), "--ckpt-step", str(SAVED_AT),
+                                                           *extra])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    resumed = _logged_losses(metrics)
+    resumed = logged_losses(metrics)
     assert len(resumed) == ITERS - SAVED_AT, resumed
     return resumed
 
 
 def test_distributed_optimizer_resumes_at_dp2_and_reshards_to_dp1(tmp_path):
     ckpt = tmp_path / "ckpt"
-    full = _losses(tmp_path, "full", 4, DIST_OPT + ["--save", str(ckpt), "--save-interval", str(SAVED_AT)])
+    full = losses(tmp_path, "full", 4, DIST_OPT + ["--save", str(ckpt), "--save-interval", str(SAVED_AT)])
     assert (ckpt / f"iter_{SAVED_AT:07d}" / "megatron_async.json").is_file()
     tail = full[SAVED_AT:]
-    _assert_same(_resumed(tmp_path, "dp2", 4, ckpt), tail)
+    assert_same(_resumed(tmp_path, "dp2", 4, ckpt), tail)
     dp1 = _resumed(tmp_path, "dp1", 2, ckpt)
     assert _close(dp1, tail, RESHARD_RTOL), (dp1, tail)
     fresh = _resumed(tmp_path, "fresh_optimizer", 2, ckpt, ["--no-load-optim"])

@@ -11,9 +11,8 @@ asynchronous-save line with Megatron's queue reporting a save in flight.
 
 import re
 
+from tests.support.loop_runs import CPU, MODEL, TRAIN
 from tests.support.warm_launch import warm_run
-
-from test_megatron_loop import CPU, MODEL, TRAIN
 
 DIVERGE = ["--lr", "1e3", "--clip-grad", "0", "--lr-decay-style", "constant", "--train-iters", "60",
            "--no-check-for-nan-in-loss-and-grad", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]

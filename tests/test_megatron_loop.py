@@ -1,14 +1,13 @@
 """2bw inside Megatron's own training loop (`megatron.training.pretrain`), CPU and gloo.
 
-- 2bw at PP=2 equals its `--simulated-delay 1 --simulated-pipeline-stages 2` twin at
-  PP=1, iteration by iteration, both in Megatron's loop (fp32 on CPU: a pipeline
-  changes no reduction order inside a layer, so the losses agree to round-off;
-  observed bitwise; allowed 1e-6 relative). Negative control: synchronous PP=1
-  training is another trajectory, and the comparison says so.
+(2bw against its `--simulated-delay 1` twin: tests/test_twin_matrix.py and
+tests/test_twin_matrix_across_ranks.py.)
+
 - The collective audit: from the second iteration to the end of training no
   collective's group holds ranks of two pipeline stages; the same check fails when
   a world all-reduce is injected.
 - A flag 2bw cannot honour stops every rank before training, naming the flag.
+- A resume equals the uninterrupted run (observed bitwise; allowed 1e-6 relative).
 """
 
 import json
@@ -17,169 +16,14 @@ import shutil
 
 import pytest
 
-from tests.support.warm_launch import warm_run
-
-# what the launcher adds on a machine without CUDA (megatron_async/launch.py): these fused kernels
-# exist only as CUDA extensions; gradient-accumulation fusion stays on (the CPU emulation has its kernel)
-CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo",
-       "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
-       "--no-rope-fusion", "--use-cpu-initialization"]
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--untie-embeddings-and-output-weights", "--position-embedding-type", "learned_absolute",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--layout-invariant-init"]
-ITERS = 8
-TRAIN = ["--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--eval-interval", "1000",
-         "--eval-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
-         "--num-workers", "0", "--rerun-mode", "disabled"]
-OPTIMIZERS = {
-    "adam": [],
-    "muon": ["--optimizer", "muon"],
-    "muon+ef": ["--optimizer", "muon", "--delay-correction", "ef"],
-}
-RTOL = 1e-6
-TIMEOUT_S = 300
-
-
-def _run(tmp_path, name, nproc, extra, module="megatron_async.launch", env=None, model=None, peers_exit_s=0.0):
-    """`model`: the model flags, MODEL by default (read at call time: tests patch MODEL).
-    `peers_exit_s`: for tests of what every rank prints as it exits (warm_launch.WarmJob.wait)."""
-    metrics = tmp_path / f"{name}.jsonl"
-    proc = warm_run(module, ["--gpt", *CPU, *(MODEL if model is None else model), *TRAIN, "--metrics-json", str(metrics), *extra], nproc,
-                    TIMEOUT_S, env=env, peers_exit_s=peers_exit_s)
-    return proc, metrics
-
-
-def _logged_losses(*paths) -> list[float]:
-    """The training losses of metrics files, in order (a resumed run: first part, then the rest)."""
-    return [r["lm_loss"] for path in paths for r in map(json.loads, path.read_text().splitlines()) if "lm_loss" in r]
-
-
-def _losses(tmp_path, name, nproc, extra, **kw):
-    proc, metrics = _run(tmp_path, name, nproc, extra, **kw)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    losses = _logged_losses(metrics)
-    assert len(losses) == ITERS and all(math.isfinite(x) for x in losses), losses
-    return losses
-
-
-def _assert_same(a, b, rtol=RTOL):
-    for i, (x, y) in enumerate(zip(a, b), 1):
-        assert abs(x - y) <= rtol * abs(y), f"iteration {i}: {x} vs {y}"
-
-
-def _pp1_twin(tmp_path, extra: list) -> list:
-    """The simulated-delay twin at PP=1, once per module for the tests that compare against it."""
-    key = ("pp1", tuple(extra))
-    if key not in _TWINS:
-        _TWINS[key] = _losses(tmp_path, "twin", 1, extra + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
-    return list(_TWINS[key])
-
-
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_2bw_equals_its_simulated_twin_in_megatrons_loop(tmp_path, optimizer):
-    extra = OPTIMIZERS[optimizer]
-    twin = _pp1_twin(tmp_path, extra)
-    two_bw = _losses(tmp_path, "2bw", 2, extra + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"])
-    _assert_same(two_bw, twin)
-    if optimizer == "adam":  # negative control: the comparison fails against synchronous training
-        sync = _losses(tmp_path, "sync", 1, extra)
-        with pytest.raises(AssertionError):
-            _assert_same(two_bw, sync)
-
-
-def test_a_schedule_registered_with_its_own_generator_trains_its_lists_against_the_twin(tmp_path):
-    """The registry is what runs: a schedule a test registers with 2bw's runtime and a generator of
-    its own (tests/support/registered_schedule_entry.py: 2bw's deeper warm-up, other lists at 2bw's
-    versions) is streamed by the runner on every rank and trains its twin's trajectory. Control:
-    its lists are not 2bw's."""
-    from megatron_async.schedules.generators import two_bw
-    from tests.support.registered_schedule_entry import NAME, deep_warmup
-
-    m = 4  # --global-batch-size / --micro-batch-size
-    assert deep_warmup(2, m, 3) != two_bw(2, m, 3)
-    log = tmp_path / "generator.log"
-    proc, metrics = _run(tmp_path, "registered", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", NAME],
-                         module="tests.support.registered_schedule_entry", env={"REGISTERED_SCHEDULE_LOG": str(log)})
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert sorted(line.split()[0] for line in log.read_text().splitlines()) == ["0", "1"]
-    _assert_same(_logged_losses(metrics), _pp1_twin(tmp_path, OPTIMIZERS["adam"]))
-
-
-# bf16 rounds differently at PP=1 and PP=2: the same runs without the overlaps differ by up to 3e-5.
-BF16_RTOL = 1e-4
-# Every combination users set of what Megatron's distributed optimizer reaches under a delay: the
-# embeddings tied or untied, x Adam (fp32) or Muon layer-wise (bf16), both with EF, x each overlap
-# (--overlap-param-gather needs --overlap-grad-reduce). A pair left out is where a wrong result hides:
-# tied + layer-wise Muon + the parameter gather once gathered again right before the last stage's
-# step, through the gradient buffer that gather borrows, and lost that stage's gradients (3e-3).
-EMBEDDINGS = ("tied", "untied")
-DP2_OPTIMIZERS = {"adam+ef": (["--delay-correction", "ef"], RTOL),
-                  "muon+ef layer-wise, bf16": (["--optimizer", "muon", "--delay-correction", "ef", "--bf16"],
-                                               BF16_RTOL)}
-OVERLAPS = {"grad-reduce": ["--overlap-grad-reduce"],
-            "grad-reduce+param-gather": ["--overlap-grad-reduce", "--overlap-param-gather"]}
-DP2_MATRIX = [(e, o, v) for e in EMBEDDINGS for o in DP2_OPTIMIZERS for v in OVERLAPS]
-# the public recipes' parallelism and overlap flags that run on 4 CPU ranks (docs/megatron_lm.md,
-# 'Public recipes under 2bw'): expert parallelism with the all-to-all dispatcher, gradients reduced in bf16
-RECIPES_UNION = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
-                 "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear", "--expert-model-parallel-size",
-                 "2", "--bf16", "--grad-reduce-in-bf16", "--overlap-grad-reduce", "--overlap-param-gather"]
-_TWINS: dict = {}
-
-
-def _model(embeddings: str) -> list:
-    return MODEL if embeddings == "untied" else [a for a in MODEL if a != "--untie-embeddings-and-output-weights"]
-
-
-def _dp2_twin(tmp_path, embeddings: str, flags: list) -> list:
-    """The simulated-delay twin at PP=1 x DP=2 with both overlaps, once per module for the
-    cases that compare against it (each overlap alone changes when a reduction or gather
-    runs, not what it computes)."""
-    key = (embeddings, tuple(flags))
-    if key not in _TWINS:
-        _TWINS[key] = _losses(tmp_path, "twin", 2, ["--use-distributed-optimizer", *flags, *OVERLAPS[
-            "grad-reduce+param-gather"], "--simulated-delay", "1", "--simulated-pipeline-stages", "2"],
-            model=_model(embeddings))
-    return list(_TWINS[key])
-
-
-def _dp2_two_bw(tmp_path, embeddings: str, flags: list) -> list:
-    return _losses(tmp_path, "2bw", 4, ["--use-distributed-optimizer", *flags, "--pipeline-model-parallel-size", "2",
-                                        "--pipeline-schedule", "2bw"], model=_model(embeddings))
-
-
-@pytest.mark.parametrize("embeddings, optimizer, overlap", DP2_MATRIX, ids=[", ".join(c) for c in DP2_MATRIX])
-def test_2bw_equals_its_twin_with_the_distributed_optimizer_at_dp2(tmp_path, embeddings, optimizer, overlap):
-    """PP=2 x DP=2 (4 ranks) against the twin at PP=1 x DP=2, both with Megatron's distributed
-    optimizer and its default gradient-accumulation fusion; clipping on (stage-local norm over
-    each stage's DP ranks). Tied: the first stage's new embeddings are gathered before they are
-    sent to the last stage, and the last stage's own gather lands before it installs them,
-    without gathering again once a forward did. Control: Megatron's 1F1B with the same flags
-    (no delay correction, which it refuses) is another trajectory."""
-    flags, rtol = DP2_OPTIMIZERS[optimizer]
-    twin = _dp2_twin(tmp_path, embeddings, flags)
-    two_bw = _dp2_two_bw(tmp_path, embeddings, flags + OVERLAPS[overlap])
-    _assert_same(two_bw, twin, rtol)
-    if (embeddings, optimizer, overlap) == DP2_MATRIX[0]:  # (1F1B refuses a delay correction)
-        sync = _losses(tmp_path, "1f1b", 4, ["--use-distributed-optimizer", *OVERLAPS[overlap],
-                                             "--pipeline-model-parallel-size", "2"], model=_model(embeddings))
-        with pytest.raises(AssertionError):
-            _assert_same(two_bw, sync, rtol)
-
-
-def test_2bw_equals_its_twin_with_the_recipes_union_at_dp2(tmp_path):
-    """MoE at EP=2 with the all-to-all dispatcher, gradients reduced in bf16, both overlaps, untied."""
-    twin = _losses(tmp_path, "twin", 2, ["--use-distributed-optimizer", *RECIPES_UNION, "--simulated-delay", "1",
-                                         "--simulated-pipeline-stages", "2"])
-    _assert_same(_dp2_two_bw(tmp_path, "untied", RECIPES_UNION), twin, BF16_RTOL)
+from tests.support.loop_runs import CPU, ITERS, MODEL, TIMEOUT_S, TRAIN, assert_same, logged_losses, losses, run
 
 
 def _audit(tmp_path, nproc, extra, inject=False, with_async=False, old_exit_checks=False):
     directory = tmp_path / "audit"
     env = {"MEGATRON_ASYNC_AUDIT_DIR": str(directory), "MEGATRON_ASYNC_AUDIT_INJECT": "1" if inject else "0",
            "MEGATRON_ASYNC_AUDIT_MEGATRON_EXIT": "1" if old_exit_checks else "0"}
-    proc, _ = _run(tmp_path, "audit", nproc, extra, module="tests.support.collective_audit", env=env)
+    proc, _ = run(tmp_path, "audit", nproc, extra, module="tests.support.collective_audit", env=env)
     assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(nproc)]
     stage = {r["rank"]: r["stage"] for r in ranks}
@@ -280,7 +124,7 @@ OLD_ENTRY = "tests.support.step_end_entry"
 MARKERLESS_RESUME = {"MEGATRON_ASYNC_TEST_OLD_MARKERLESS_RESUME": "1"}
 
 
-RESUMED = {**{name: OPTIMIZERS[name] for name in ("adam", "muon+ef")},
+RESUMED = {"adam": [], "muon+ef": ["--optimizer", "muon", "--delay-correction", "ef"],
            "adam, weight prediction": ["--delay-correction", "predict"],
            "adam, DC-ASGD": ["--delay-correction", "dc-asgd"],
            "adam, Nesterov look-ahead": ["--delay-correction", "nesterov"],
@@ -306,35 +150,35 @@ def test_resume_equals_the_uninterrupted_run_with_dropout(tmp_path, optimizer):
     stale-global): the same checkpoint without its marker resumes elsewhere."""
     base = RESUMED[optimizer] + RESUME + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
     ckpt = tmp_path / "ckpt"
-    full = _losses(tmp_path, "full", 2, base + ["--save", str(ckpt), "--save-interval", "4"])
+    full = losses(tmp_path, "full", 2, base + ["--save", str(ckpt), "--save-interval", "4"])
     assert json.loads((ckpt / "iter_0000004" / "megatron_async.json").read_text())["weight_stash"]
     saved = _saved_at_4(tmp_path, ckpt, "saved")
     bare = _saved_at_4(tmp_path, ckpt, "bare")  # for the negative control: the same checkpoint without its marker
     (bare / "iter_0000004" / "megatron_async.json").unlink()
-    proc, second = _run(tmp_path, "second", 2, base + ["--load", str(saved), "--save", str(saved),
-                                                       "--save-interval", "100"])
+    proc, second = run(tmp_path, "second", 2, base + ["--load", str(saved), "--save", str(saved),
+                                                      "--save-interval", "100"])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    resumed = _logged_losses(second)
+    resumed = logged_losses(second)
     assert len(resumed) == ITERS - 4
-    _assert_same(resumed, full[4:])
+    assert_same(resumed, full[4:])
     if optimizer in ("muon+ef", "adam, stale-global clipping"):  # without our state it resumes elsewhere
-        proc, without = _run(tmp_path, "without", 2, base + ["--load", str(bare)], module=OLD_ENTRY,
-                             env=MARKERLESS_RESUME)
+        proc, without = run(tmp_path, "without", 2, base + ["--load", str(bare)], module=OLD_ENTRY,
+                            env=MARKERLESS_RESUME)
         assert proc.returncode == 0, proc.stdout[-4000:]
         with pytest.raises(AssertionError):
-            _assert_same(_logged_losses(without), full[4:])
+            assert_same(logged_losses(without), full[4:])
 
 
 def test_2bw_resumes_from_a_1f1b_checkpoint(tmp_path):
     """A checkpoint of Megatron's 1F1B holds no stash: 2bw resumes from it with the
     older weight version equal to the newest, and trains on."""
     ckpt = str(tmp_path / "ckpt")
-    proc, first = _run(tmp_path, "first", 2, RESUME + ["--pipeline-model-parallel-size", "2", "--save", ckpt,
-                                                        "--save-interval", "4", "--exit-interval", "4"])
+    proc, first = run(tmp_path, "first", 2, RESUME + ["--pipeline-model-parallel-size", "2", "--save", ckpt,
+                                                       "--save-interval", "4", "--exit-interval", "4"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert not (tmp_path / "ckpt" / "iter_0000004" / "megatron_async.json").exists()
-    proc, second = _run(tmp_path, "second", 2, RESUME + ["--pipeline-model-parallel-size", "2",
-                                                         "--pipeline-schedule", "2bw", "--load", ckpt])
+    proc, second = run(tmp_path, "second", 2, RESUME + ["--pipeline-model-parallel-size", "2",
+                                                        "--pipeline-schedule", "2bw", "--load", ckpt])
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [r for r in map(json.loads, second.read_text().splitlines()) if "lm_loss" in r]
     assert [r["iteration"] for r in records] == list(range(5, ITERS + 1))
@@ -346,8 +190,8 @@ def test_tensorboard_gets_2bw_losses(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = tmp_path / "tb"
-    proc, _ = _run(tmp_path, "tb", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
-                                       "--tensorboard-dir", str(board), "--tensorboard-log-interval", "1"])
+    proc, _ = run(tmp_path, "tb", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
+                                      "--tensorboard-dir", str(board), "--tensorboard-log-interval", "1"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     events = EventAccumulator(str(board))
     events.Reload()
@@ -375,7 +219,7 @@ def test_non_finite_loss_stops_every_schedule_before_any_checkpoint(tmp_path, sc
                       "--save-interval", "1000", "--train-iters", "60"]
     if not megatron_check:
         extra.append("--no-check-for-nan-in-loss-and-grad")
-    proc, metrics = _run(tmp_path, "nan", nproc, extra)
+    proc, metrics = run(tmp_path, "nan", nproc, extra)
     assert proc.returncode == 3, proc.stdout[-3000:]
     stops = [line for line in proc.stdout.splitlines() if ": stopped: iteration " in line]
     assert stops and all("on pipeline stage " in line for line in stops), proc.stdout[-3000:]
@@ -399,13 +243,13 @@ def test_simulated_delay_zero_keeps_no_stash(tmp_path):
     runs = {}
     for name, delay in (("zero", "0"), ("one", "1")):
         ckpt = tmp_path / f"ckpt_{name}"
-        proc, metrics = _run(tmp_path, name, 1, ["--simulated-delay", delay, "--train-iters", "4",
-                                                 "--save", str(ckpt), "--save-interval", "4"])
+        proc, metrics = run(tmp_path, name, 1, ["--simulated-delay", delay, "--train-iters", "4",
+                                                "--save", str(ckpt), "--save-interval", "4"])
         assert proc.returncode == 0, proc.stdout[-4000:]
         path = ckpt / "iter_0000004" / "megatron_async.json"
         assert (ckpt / "iter_0000004").is_dir()
         marker = json.loads(path.read_text()) if path.exists() else {}
-        runs[name] = (marker, _logged_losses(metrics))
+        runs[name] = (marker, logged_losses(metrics))
     assert runs["zero"][0] == {} and runs["one"][0].get("weight_stash"), (runs["zero"][0], runs["one"][0])
     assert len(runs["zero"][1]) == 4 and runs["zero"][1][2:] != runs["one"][1][2:]
 
@@ -415,9 +259,9 @@ def test_stage_delay_list(tmp_path):
     (the last stage current) is another trajectory. Exactness of per-stage delays against
     an independent reference: tests/test_stage_delays.py."""
     clip = ["--clip-grad", "0.1"]
-    listed = _losses(tmp_path, "listed", 1, clip + ["--simulated-delay", "1,1"])
-    twin = _losses(tmp_path, "twin", 1, clip + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
-    mixed = _losses(tmp_path, "mixed", 1, clip + ["--simulated-delay", "1,0"])
+    listed = losses(tmp_path, "listed", 1, clip + ["--simulated-delay", "1,1"])
+    twin = losses(tmp_path, "twin", 1, clip + ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])
+    mixed = losses(tmp_path, "mixed", 1, clip + ["--simulated-delay", "1,0"])
     assert listed == twin
     assert max(abs(a - b) for a, b in zip(mixed[2:], twin[2:])) > 1e-5
 
@@ -435,8 +279,8 @@ def test_stale_global_clipping_is_the_one_cross_stage_reduction(tmp_path):
     # read a step later; the last step's, at the end of training, where every rank has stopped
     late = [t for t in waited if t["waited"] <= t["posted"] and t["posted"] < ITERS]
     assert waited and not late, late
-    stale = _logged_losses(tmp_path / "audit.jsonl")
-    local = _losses(tmp_path, "local", 2, common)
+    stale = logged_losses(tmp_path / "audit.jsonl")
+    local = losses(tmp_path, "local", 2, common)
     # iterations 1-3 run at W0, W0, W1, and step 0 (W0 -> W1) has no older global norm: equal;
     # iteration 4 runs at W2, from step 1, the first clipped by a stale global norm
     assert len(stale) == ITERS and stale[:3] == local[:3]

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megatron_async.megatron_lm.observability import moe_routing
+from tests.support.loop_runs import CPU, MODEL, TRAIN
 from tests.support.megatron_log import printed_aux_losses
 from tests.support.warm_launch import warm_run
-from tests.test_megatron_loop import CPU, MODEL, TRAIN
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",
        "--moe-token-dispatcher-type", "alltoall"]

@@ -14,7 +14,7 @@
 import re
 
 import pytest
-from test_megatron_loop import _run
+from tests.support.loop_runs import run
 
 PP2_2BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw", "--train-iters", "2",
            "--save-interval", "2"]
@@ -30,7 +30,7 @@ def _disk_bytes(ckpt, iteration: int) -> int:
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_the_expected_size_bounds_what_a_save_takes(tmp_path, fmt):
     ckpt = tmp_path / "ckpt"
-    proc, _ = _run(tmp_path, fmt, 2, PP2_2BW + ["--ckpt-format", fmt, "--save", str(ckpt)])
+    proc, _ = run(tmp_path, fmt, 2, PP2_2BW + ["--ckpt-format", fmt, "--save", str(ckpt)])
     assert proc.returncode == 0, proc.stdout[-4000:]
     expected = int(NEED.search(proc.stdout).group(1))
     written = _disk_bytes(ckpt, 2)
@@ -39,7 +39,7 @@ def test_the_expected_size_bounds_what_a_save_takes(tmp_path, fmt):
 
 def test_a_save_without_room_is_refused_before_training(tmp_path, tmpfs):
     small = tmpfs("fs_1m", "size=1m")
-    proc, metrics = _run(tmp_path, "small", 2, PP2_2BW + ["--save", str(small / "ckpt")])
+    proc, metrics = run(tmp_path, "small", 2, PP2_2BW + ["--save", str(small / "ckpt")])
     assert proc.returncode == 2, proc.stdout[-4000:]
     refusals = [line for line in proc.stdout.splitlines() if "free, but one checkpoint of this run needs" in line]
     assert {line.rsplit("(rank ", 1)[1] for line in refusals} == {"0)", "1)"}, proc.stdout[-4000:]
@@ -48,7 +48,7 @@ def test_a_save_without_room_is_refused_before_training(tmp_path, tmpfs):
     assert not any((small / "ckpt").glob("iter_*"))
     # negative control: with room, the same run trains and saves
     roomy = tmpfs("fs_64m", "size=64m")
-    proc, metrics = _run(tmp_path, "roomy", 2, PP2_2BW + ["--save", str(roomy / "ckpt")])
+    proc, metrics = run(tmp_path, "roomy", 2, PP2_2BW + ["--save", str(roomy / "ckpt")])
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert (roomy / "ckpt" / "iter_0000002").is_dir()
 
@@ -66,7 +66,7 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_partial_folder_set_
     from megatron_async.megatron_lm.safety.checkpoint_guard import complete_iterations, tracked_iteration
 
     ckpt = tmpfs("fs_6m", "size=6m") / "ckpt"
-    proc, _ = _run(tmp_path, "fills", 2, PP2_2BW + ["--train-iters", "4", "--save", str(ckpt)])
+    proc, _ = run(tmp_path, "fills", 2, PP2_2BW + ["--train-iters", "4", "--save", str(ckpt)])
     assert proc.returncode == 2, proc.stdout[-4000:]
     lines = [line for line in proc.stdout.splitlines() if "megatron-async: error:" in line]
     assert {line.rsplit("(rank ", 1)[1] for line in lines} == {"0)", "1)"}, proc.stdout[-4000:]

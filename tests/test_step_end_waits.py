@@ -28,9 +28,8 @@ import re
 
 import pytest
 
+from tests.support.loop_runs import CPU, MODEL, TRAIN, logged_losses
 from tests.support.warm_launch import warm_run
-
-from test_megatron_loop import CPU, MODEL, TRAIN, _logged_losses
 
 TWO_BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
 ENTRY = "tests.support.step_end_entry"
@@ -68,7 +67,7 @@ def test_every_step_end_wait_runs_under_2bw(tmp_path):
              "--eval-interval", "2"]  # level 2 empties the cache at both of Megatron's places in a step
     proc, metrics, reports = _run(tmp_path, "all", extra)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    losses = _logged_losses(metrics)
+    losses = logged_losses(metrics)
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses), losses
     assert proc.stdout.count("finished GPU sniff test") >= 4, "the sniff test did not run at every second step"
     assert reports == {r: {"rank": r, "outstanding_sends": 0} for r in (0, 1)}, reports

@@ -18,9 +18,10 @@ import signal
 import time
 
 import pytest
-from test_megatron_loop import CPU, MODEL, RESUME, TRAIN
+from test_megatron_loop import RESUME
 
 from megatron_async.pipeline.stop_agreement import LAG
+from tests.support.loop_runs import CPU, MODEL, TRAIN
 from tests.support.warm_launch import WarmJob, warm_run
 
 

@@ -18,9 +18,8 @@ import math
 
 import pytest
 
+from tests.support.loop_runs import CPU, MODEL, TRAIN, logged_losses
 from tests.support.warm_launch import warm_run
-
-from test_megatron_loop import CPU, MODEL, TRAIN, _logged_losses
 
 TIED = [a for a in MODEL if a != "--untie-embeddings-and-output-weights"]
 TWO_BW = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]
@@ -40,7 +39,7 @@ def _run(tmp_path, name, switches, wait_s=30):
 def test_tied_2bw_trains_with_a_whole_device_wait_after_every_first_stage_action(tmp_path):
     proc, metrics = _run(tmp_path, "waits", ["EMPTY_CACHE_ON_STAGE0"])
     assert proc.returncode == 0, proc.stdout[-4000:]
-    losses = _logged_losses(metrics)
+    losses = logged_losses(metrics)
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses), losses
 
 
@@ -49,7 +48,7 @@ def test_the_first_contact_alone_removes_the_hang_of_the_early_receive(tmp_path)
     no hang without a whole-device wait (the early receive's other fault, below)."""
     proc, metrics = _run(tmp_path, "early", ["OLD_TIED_RECV"], wait_s=HANG_WAIT_S)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert len(_logged_losses(metrics)) == 8
+    assert len(logged_losses(metrics)) == 8
 
 
 CONTROLS = {

@@ -6,15 +6,14 @@
   Megatron's argument validation with the plugin for both commands.
 - Why no dropout: with Megatron's default 0.1 each layout draws other dropout masks, and
   the twins' losses differ from the first iteration. Their equality without dropout is
-  tests/test_megatron_loop.py's (test_2bw_equals_its_simulated_twin_in_megatrons_loop).
+  tests/test_twin_matrix.py's (test_2bw_equals_its_twin).
 """
 
 import re
 import shlex
 from pathlib import Path
 
-from test_megatron_loop import MODEL, _logged_losses, _run
-
+from tests.support.loop_runs import MODEL, logged_losses, run
 from tests.support.refusals import check_in_one_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,8 +62,8 @@ def test_with_megatrons_default_dropout_the_twins_differ_at_the_first_iteration(
     losses = {}
     for name, nproc, extra in (("2bw", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw"]),
                                ("twin", 1, ["--simulated-delay", "1", "--simulated-pipeline-stages", "2"])):
-        proc, metrics = _run(tmp_path, name, nproc, extra + short, model=model)
+        proc, metrics = run(tmp_path, name, nproc, extra + short, model=model)
         assert proc.returncode == 0, proc.stdout[-4000:]
-        losses[name] = _logged_losses(metrics)
+        losses[name] = logged_losses(metrics)
     assert len(losses["2bw"]) == len(losses["twin"]) == 1, losses
     assert losses["2bw"][0] != losses["twin"][0], losses
