@@ -27,9 +27,18 @@ def _reference(**overrides):
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_2bw_equals_simulated_one_step_delay(pp):
+    """With Megatron's default gradient-accumulation fusion: its local layers accumulate weight
+    gradients straight into main_grad (the CPU emulation's kernel) and DDP skips their dummy
+    gradients. Negative control: that kernel is what runs (overwriting changes the trajectory)."""
     ref = _reference()
+    assert TinyGPT().gradient_accumulation_fusion
     results = shared_run(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", **COMMON), STEPS)
     assert_same_trajectory(ref, results, RTOL, ATOL)
+    if pp == 2:
+        broken = run_distributed(_train_with_overwriting_wgrad_kernel, pp, TinyGPT(pp=pp, schedule="2bw", **COMMON),
+                                 STEPS)
+        with pytest.raises(AssertionError):
+            assert_same_trajectory(ref, broken, RTOL, ATOL)
 
 
 def test_2bw_stage_local_clipping_equals_reference_with_the_same_rule():
@@ -144,18 +153,3 @@ def _train_with_overwriting_wgrad_kernel(rank, world_size, spec, steps):
 
     sys.modules[cpu.FUSED_WGRAD_MODULE].wgrad_gemm_accum_fp32 = overwrite
     return train_entry(rank, world_size, spec, steps)
-
-
-@pytest.mark.parametrize("pp", [2, 4])
-def test_2bw_with_gradient_accumulation_fusion_equals_its_twin(pp):
-    """Megatron's local layers accumulating weight gradients straight into main_grad
-    (the CPU emulation's kernel) and DDP skipping their dummy gradients."""
-    ref = _reference(gradient_accumulation_fusion=True)
-    results = shared_run(train_entry, pp, TinyGPT(pp=pp, schedule="2bw", gradient_accumulation_fusion=True,
-                                                       **COMMON), STEPS)
-    assert_same_trajectory(ref, results, RTOL, ATOL)
-    if pp == 2:  # negative control: the fused kernel is what runs (overwriting changes the trajectory)
-        broken = run_distributed(_train_with_overwriting_wgrad_kernel, pp,
-                                 TinyGPT(pp=pp, schedule="2bw", gradient_accumulation_fusion=True, **COMMON), STEPS)
-        with pytest.raises(AssertionError):
-            assert_same_trajectory(ref, broken, RTOL, ATOL)
