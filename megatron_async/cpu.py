@@ -133,12 +133,19 @@ class _Stream:
     """torch.cuda.Stream on the CPU: one in-order stream, so waits are no-ops.
 
     Needed by the MoE dispatchers (shared-expert and comm streams), DDP's
-    communication stream and the distributed optimizer's all-gather overlap.
+    communication stream, the distributed optimizer's all-gather overlap and the
+    communication stream of Megatron's combined 1F1B step (`set_streams`, which asks for
+    the priority range when it wants a high-priority stream).
     """
 
     def __init__(self, device=None, priority: int = 0, **kwargs):
         self.device = _CPU
         self.priority = priority
+
+    @staticmethod
+    def priority_range() -> tuple:
+        """(lowest, highest) as CUDA orders them: a lower number is a higher priority."""
+        return 0, -1
 
     def wait_stream(self, stream):
         pass
@@ -503,6 +510,10 @@ def _unset_one_connection(owner, undo) -> None:
     owner.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
 
 
+def _record_nothing(tensor: torch.Tensor, stream) -> None:
+    """Tensor.record_stream on one in-order stream: a tensor is free once the host moves on."""
+
+
 def _value(value):
     """A patch whose replacement does not depend on the original."""
     return lambda original: value
@@ -516,6 +527,10 @@ def _tables():
         Patch("torch.overrides", "CudaToCpuMode (entered)",
               "every torch call: CUDA devices become the CPU, Tensor.cuda() and Tensor.type() answer as on a GPU",
               _enter_cuda_to_cpu_mode, CPU, restore=_leave_cuda_to_cpu_mode),
+        Patch("torch:Tensor", "record_stream",
+              "Megatron's combined 1F1B step marks the tensors it frees or hands between streams; one in-order "
+              "stream has nothing to record (torch checks for a CUDA stream before any function mode sees the call)",
+              _value(_record_nothing), CPU),
         Patch("torch.autograd.function:BackwardCFunction", "apply",
               "autograd runs a custom Function's backward outside the torch function mode: re-entered there",
               _backward_in_mode, CPU),

@@ -53,6 +53,13 @@ def _emulated_calls(rank, world_size):
         event.record()
     torch.cuda.current_stream().wait_stream(stream)
     out["event_done"] = event.query()
+    # Megatron's combined 1F1B step: a high-priority communication stream, tensors marked on it
+    from megatron.core.pipeline_parallel.utils import get_comm_stream, set_streams
+
+    set_streams(high_priority=True)
+    handed = torch.ones(2, device="cuda")
+    handed.record_stream(get_comm_stream())
+    out["comm_priority"] = (get_comm_stream().priority, torch.cuda.Stream.priority_range()[1])
     torch.cuda.synchronize()
     model_parallel_cuda_manual_seed(7)
     tracker = get_cuda_rng_tracker()
@@ -87,6 +94,8 @@ def test_emulated_cuda_calls_run_on_cpu():
     assert out["type_name"] == "torch.cuda.FloatTensor"
     assert out["bf16_type_name"] == "torch.cuda.BFloat16Tensor"
     assert out["event_done"] is True
+    priority, highest = out["comm_priority"]
+    assert priority == highest < 0
     assert out["fork_repeatable"] and out["fork_isolated"]
     assert out["custom_backward"] == [2.0, 2.0, 2.0]
 

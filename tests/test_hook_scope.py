@@ -1,6 +1,6 @@
 """Every patch is declared: installing the tables (megatron_async/patch_table.py) changes
 exactly the attributes they name and nothing else in torch.cuda, torch.distributed,
-torch.autograd, torch.overrides, Megatron or the process (compared by identity, every
+torch.autograd, torch.overrides, torch.Tensor, Megatron or the process (compared by identity, every
 attribute of every loaded module there and of the classes they define), and restoring them
 puts back the very objects that were there. In-process: the tables are installed and
 restored here, as the launcher installs them before a plain 1F1B run. The collective audit
@@ -41,7 +41,7 @@ CONDITIONAL = {"environ[CUDA_DEVICE_MAX_CONNECTIONS]", "te_general_gemm", "state
 
 
 def _owners() -> list:
-    owners = []
+    owners = [torch.Tensor]  # the emulation replaces one of its methods (record_stream)
     for name, module in list(sys.modules.items()):
         if module is None or not any(name == p or name.startswith(p + ".") for p in PREFIXES):
             continue
@@ -186,6 +186,9 @@ OUT_OF_SCOPE_CALLS = {
     "checkpoint_and_decide_exit": ("model", "optimizer", "scheduler", 7, 1e12, {}, "iterator"),
     "signals_received": ("handler",), "_sync_metrics": ("tracker", ["load_balancing_loss"], "groups"),
     "build_train_valid_test_data_iterators": ("provider",), "initialize_megatron": (), "set_jit_fusion_options": (),
+    # Megatron's 1F1B with the flag: its own config, which asks for virtual stages
+    "core_transformer_config_from_args": (SimpleNamespace(pipeline_schedule="1f1b",
+                                                          overlap_moe_expert_parallel_comm=True),),
 }
 
 

@@ -2,7 +2,7 @@
 
 For the 10B MoE and SmolLM-360M, Megatron's 1F1B and interleaved 1F1B get rows with CUDA
 graphs and (MoE only) the EP all-to-all overlap of the combined step, at the split of the
-row without them; 2BW gets the same overlaps as rows marked not implemented. The EP
+row without them; 2BW gets the same overlaps, marked not implemented but for the EP overlap. The EP
 overlap runs on each schedule's lists with combined steps, each step at its price. An
 overlap only removes time, so no such row may be slower than its schedule without it; controls:
 with no host time per operator, CUDA graphs change nothing, and with a large one they
@@ -46,7 +46,7 @@ def test_each_overlap_row_is_produced_and_never_slower_than_its_schedule_without
         without = base[(r["base"], r["pp"], r["m"], r["layout"])]
         assert r["layers_per_stage"] == without["layers_per_stage"]
         assert r["over_base"] >= 1 and r["tokens_per_s_per_gpu"] >= without["tokens_per_s_per_gpu"], r
-        assert r["implemented"] == (r["base"] != "2bw")
+        assert r["implemented"] == (r["base"] != "2bw" or r["schedule"] == "2bw+ep-overlap")
     by = {(r["schedule"], r["pp"], r["m"], r["layout"]): r for r in timed}
     for (name, pp, m, layout), r in by.items():  # graphs on top of the EP overlap add to it too
         if name.endswith("+ep-overlap"):

@@ -26,6 +26,11 @@ BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2", "--eval-interval", "10", "--lr", "1e-3"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TWO_BW = PP2 + ["--pipeline-schedule", "2bw"]
+# 2bw with Megatron's --overlap-moe-expert-parallel-comm at EP=2 x PP=2 (4 ranks), m = 16 / (2 x 2) = 4
+OVERLAP = BASE + TWO_BW + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+                           "--disable-bias-linear", "--expert-model-parallel-size", "2", "--bf16",
+                           "--untie-embeddings-and-output-weights", "--global-batch-size", "16",
+                           "--overlap-moe-expert-parallel-comm"]
 # an empty --save directory (the checkpoint checks run before training; nothing is written)
 SAVE = ["--save", os.path.join(tempfile.gettempdir(), "megatron_async_refusals_save"), "--save-interval", "10"]
 
@@ -119,8 +124,26 @@ CASES = {
                                   "--muon-nesterov"], "--muon-nesterov"),
     "fp8 parameters": (2, BASE + TWO_BW + ["--fp8-param-gather", "--use-distributed-optimizer"],
                        "--fp8-param-gather"),
-    "MoE all-to-all overlap": (2, BASE + TWO_BW + ["--overlap-moe-expert-parallel-comm"],
-                               "--overlap-moe-expert-parallel-comm"),
+    # Megatron's TransformerConfig's checks of --overlap-moe-expert-parallel-comm, made by the plugin under 2bw
+    "MoE all-to-all overlap without expert parallelism": (4, OVERLAP + ["--expert-model-parallel-size", "1"],
+                                                          "set --expert-model-parallel-size > 1"),
+    "MoE all-to-all overlap, allgather dispatcher": (4, OVERLAP + ["--moe-token-dispatcher-type", "allgather"],
+                                                     "needs --moe-token-dispatcher-type alltoall or flex"),
+    "MoE all-to-all overlap, full recompute": (4, OVERLAP + ["--recompute-granularity", "full", "--recompute-method",
+                                                             "uniform", "--recompute-num-layers", "1"],
+                                               "--recompute-granularity full recomputes"),
+    "MoE all-to-all overlap in fp32": (4, _without(OVERLAP, "--bf16"), "--overlap-moe-expert-parallel-comm needs "
+                                                                       "--bf16"),
+    "MoE all-to-all overlap, two MTP layers": (4, OVERLAP + ["--mtp-num-layers", "2", "--position-embedding-type",
+                                                             "rope"], "--mtp-num-layers 2: the combined step runs"),
+    "MoE all-to-all overlap, tied embeddings": (4, _without(OVERLAP, "--untie-embeddings-and-output-weights"),
+                                                "needs --untie-embeddings-and-output-weights"),
+    "MoE all-to-all overlap, fewer than 2p-1 microbatches": (4, OVERLAP + ["--global-batch-size", "8"],
+                                                             "needs at least 2p-1 = 3 microbatches"),
+    "MoE all-to-all overlap, overlapped reduce at 2p-1 microbatches": (
+        4, OVERLAP + ["--global-batch-size", "12", "--overlap-grad-reduce"], "need more microbatches per batch"),
+    "MoE all-to-all overlap, early attention release": (4, OVERLAP + ["--ep-overlap-early-attn-memory-release"],
+                                                        "--ep-overlap-early-attn-memory-release is checked"),
     "expert wgrad overlap": (2, BASE + TWO_BW + ["--overlap-dispatch-backward-with-experts-wgrad"],
                              "--overlap-dispatch-backward-with-experts-wgrad"),
     "deferred embedding wgrad": (2, BASE + TWO_BW + ["--defer-embedding-wgrad-compute"],
@@ -194,6 +217,9 @@ ACCEPTED = {
         BASE, "--num-layers", "--global-batch-size") + ["--num-layers", "4", "--global-batch-size", "8",
                                                         "--pipeline-model-parallel-size", "4", "--pipeline-schedule",
                                                         "2bw", "--overlap-grad-reduce"]),
+    # Megatron's TransformerConfig would ask for virtual stages (megatron_lm/adapter/combined_step_flags.py)
+    "2bw, MoE all-to-all overlap at EP=2": (4, OVERLAP),
+    "2bw, MoE all-to-all overlap, overlapped reduce at 2p microbatches": (4, OVERLAP + ["--overlap-grad-reduce"]),
     "lion": (1, BASE + ["--optimizer", "lion"]),
     "soap": (1, BASE + ["--optimizer", "soap"]),
 }

@@ -316,15 +316,16 @@ OVERLAPPED = {
     "interleaved-1f1b+ep-overlap": ("interleaved-1f1b", True, False, False),
     "interleaved-1f1b+ep-overlap+cuda-graphs": ("interleaved-1f1b", True, True, False),
 }
-# the same overlaps under 2BW, which it does not implement (the EP overlap on its combined-step
-# lists, CUDA graphs captured per weight version), and the EP overlap on a split finer than
-# whole layers (`finer_split`): what would win back a lead it loses
+# the same overlaps under 2BW (the EP overlap on its combined-step lists, which its runtime trains;
+# CUDA graphs captured per weight version, not implemented), and the EP overlap on a split finer than
+# whole layers (`finer_split`, not implemented): what would win back a lead it loses
 WIN_BACK = {
     "2bw+ep-overlap": ("2bw", True, False, False),
     "2bw+cuda-graphs": ("2bw", False, True, False),
     "2bw+ep-overlap+cuda-graphs": ("2bw", True, True, False),
     "2bw+ep-overlap+finer-split": ("2bw", True, False, True),
 }
+IMPLEMENTED = (*OVERLAPPED, "2bw+ep-overlap")  # rows a runtime trains (Megatron's or ours)
 NO_EP_OVERLAP_WITHOUT_VIRTUAL_STAGES = ("Megatron-Core 0.19.2 runs --overlap-moe-expert-parallel-comm only with "
                                         "virtual stages at PP > 1")
 
@@ -351,7 +352,7 @@ def overlap_rows(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mb
                  host_s_per_op: float = HOST_S_PER_OP) -> list[dict]:
     """`project`'s rows, then for each of its Megatron rows the same schedule at the same
     split with the overlaps 2BW refuses (OVERLAPPED; the EP overlap for MoE models only),
-    and for its 2BW rows the same overlaps under 2BW (WIN_BACK, `implemented` False):
+    and for its 2BW rows the same overlaps under 2BW (WIN_BACK; `implemented`: the EP overlap alone):
     tokens/s per GPU and `over_base`, the speed-up over the schedule without them. With the
     EP overlap a schedule runs its lists with combined steps (`simulate_config`); 2BW's need
     m >= 2p-1, and below that its row carries a note instead."""
@@ -366,7 +367,7 @@ def overlap_rows(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mb
                             layers_per_stage=base["layers_per_stage"], note=NO_EP_OVERLAP_WITHOUT_VIRTUAL_STAGES))
         for name, schedule, ep_overlap, graphs, finer in variants:
             row = dict(schedule=name, base=schedule, pp=base["pp"], m=base["m"], layout=base["layout"],
-                       layers_per_stage=base["layers_per_stage"], implemented=name in OVERLAPPED)
+                       layers_per_stage=base["layers_per_stage"], implemented=name in IMPLEMENTED)
             pp, m = base["pp"], base["m"]
             refusal = ep_overlap and ep_overlap_refusal(schedule, pp, m)
             if "efficiency" not in base or refusal:
@@ -389,14 +390,14 @@ def fastest(rows: list[dict], schedule: str, pp: int, m: int) -> dict | None:
 def overlap_report(rows: list[dict]) -> str:
     """2BW without the overlaps it refuses against Megatron's schedules with them, each at
     its faster split (tokens/s per GPU), 2BW over the fastest of them; for an MoE, 2BW with
-    the EP overlap (its combined-step lists, not implemented in its runtime) over the same;
-    and where 2BW's lead is below 1, each of the same overlaps under 2BW (not implemented)
-    that wins it back, or "none of them"."""
+    the EP overlap (its combined-step lists, which its runtime trains) over the same;
+    and where 2BW's lead is below 1, each of the same overlaps under 2BW (the EP overlap, and
+    those not implemented) that wins it back, or "none of them"."""
     moe = any(r["schedule"].startswith("interleaved-1f1b+ep-overlap") for r in rows)
     names = ["1f1b", "1f1b+cuda-graphs", "interleaved-1f1b", "interleaved-1f1b+cuda-graphs"]
     names += ["interleaved-1f1b+ep-overlap", "interleaved-1f1b+ep-overlap+cuda-graphs"] if moe else []
     back = [name for name, how in WIN_BACK.items() if moe or not how[1]]
-    paired = ["2bw+ep-overlap (not implemented)", "2bw+ep-overlap / the fastest"] if moe else []
+    paired = ["2bw+ep-overlap", "2bw+ep-overlap / the fastest"] if moe else []
     header = ["p", "m", "2bw", *names, "the fastest", "2bw / the fastest", *paired,
               "what wins it back (not implemented)"]
     lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]

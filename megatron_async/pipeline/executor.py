@@ -1,7 +1,10 @@
 """Executes one stage's action list (from a schedule generator) on a Megatron model.
 
 The executor is a loop over actions: Forward/Backward run the stage's module at the
-action's weight version (through the WeightStashManager), OptimizerStep calls its
+action's weight version (through the WeightStashManager), ForwardBackward runs one
+microbatch's forward beside another's backward through Megatron's combined step, each
+node at its own microbatch's version (combined_step.py; with Megatron's
+--overlap-moe-expert-parallel-comm every pass goes through it), OptimizerStep calls its
 owner's `optimizer_step` (StageEvents: the gradient sync, and the optimizer step unless
 Megatron's training loop steps the optimizer itself), and runs of
 communication actions are posted together over point-to-point links. Pipeline
@@ -29,10 +32,11 @@ from typing import Callable, Iterable, Iterator, Optional
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
+from megatron_async.pipeline.combined_step import BackwardHalf, CombinedSteps, ForwardHalf
 from megatron_async.pipeline.p2p import PendingSends, post_run
 from megatron_async.pipeline.stage_context import StageContext
-from megatron_async.schedules.actions import (Backward, Forward, OptimizerStep, RecvActivation, ScheduleError,
-                                              SendActivation, is_comm)
+from megatron_async.schedules.actions import (Backward, Forward, ForwardBackward, OptimizerStep, RecvActivation,
+                                              ScheduleError, SendActivation, is_comm)
 from megatron_async.stash import fused_wgrad
 
 DataFor = Callable[[int], Iterator]  # microbatch index -> the iterator Megatron's forward step reads
@@ -93,13 +97,17 @@ class StageExecutor:
         self._drained: set = set()  # microbatches whose activation drain() received early
         self._fused: dict = {}  # hooked microbatch -> its fused weights (stash/fused_wgrad.py)
         self.pending_sends = PendingSends(self.m)
+        # --overlap-moe-expert-parallel-comm: every pass through Megatron's combined step (combined_step.py)
+        self.combined = (CombinedSteps(model, self.stash, context.forward_step_func, self.config)
+                         if context.combined_steps and not self.forward_only else None)
 
     # --- compute ---------------------------------------------------------------
     # Megatron's own per-microbatch steps (megatron.core.pipeline_parallel.schedules),
     # as its 1F1B calls them: loss normalisation, the MoE auxiliary-loss and MTP loss
     # scales, autocast, grad scaling, freeing a sent output's data. Only the weight
     # version around them is ours.
-    def _forward(self, action: Forward, data_for: DataFor) -> None:
+    def _forward_half(self, action: Forward, data_for: DataFor) -> ForwardHalf:
+        """A forward's inputs, taken from what the stage received, and the batch-edge event."""
         k = action.microbatch
         self.forwards += 1
         if self.events is not None and k % self.m == 0:
@@ -107,40 +115,77 @@ class StageExecutor:
         input_tensor = None
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
-        reports = self._reports.setdefault(k // self.m, [])
         # The stash's saved-tensor hooks only where an optimizer step falls between this
         # forward and its backward, and on the run's first microbatch (k = 0), so an alias
         # guard fires at once. By the microbatch's index, not this process's first forward:
         # a resumed run then hooks exactly the forwards the uninterrupted run hooked (with
         # tied embeddings and MTP a hooked forward's backward rounds differently).
         hooks = not self.forward_only and (k // self.m > self.next_step or k == 0)
-        with self.stash.use(action.version, hooks=hooks):
-            output, _ = schedules.forward_step(
-                self.context.forward_step_func, data_for(k), self.model, self.m, input_tensor, reports, self.config,
-                self.cp_size, is_first_microbatch=k % self.m == 0, current_microbatch=k % self.m,
-                is_last_stage=self.is_last)
-        if hooks:  # its backward sees plain tensors for the Parameters (stash/fused_wgrad.py)
-            self._fused[k] = self.stash.fused_weights(output)
+        return ForwardHalf(k, action.version, hooks, input_tensor, data_for(k),
+                           self._reports.setdefault(k // self.m, []), self.m)
+
+    def _forward_done(self, half: ForwardHalf, output) -> None:
         if not self.is_last:
-            self._outgoing[("act", k)] = output.detach()
+            self._outgoing[("act", half.microbatch)] = output.detach()
             # keeps only the autograd graph; the sent copy's storage lives until its send retires
             schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
         if not self.forward_only:
-            self._inflight[k] = (input_tensor, output)
+            self._inflight[half.microbatch] = (half.input_tensor, output)
 
-    def _backward(self, action: Backward) -> None:
+    def _forward(self, action: Forward, data_for: DataFor) -> None:
+        half = self._forward_half(action, data_for)
+        if self.combined is not None:  # its backward runs the plan this forward builds
+            output, _ = self.combined.step(half, None)
+            self._forward_done(half, output)
+            return
+        k = half.microbatch
+        with self.stash.use(half.version, hooks=half.hooks):
+            output, _ = schedules.forward_step(
+                self.context.forward_step_func, half.data, self.model, self.m, half.input_tensor, half.reports,
+                self.config, self.cp_size, is_first_microbatch=k % self.m == 0, current_microbatch=k % self.m,
+                is_last_stage=self.is_last)
+        if half.hooks:  # its backward sees plain tensors for the Parameters (stash/fused_wgrad.py)
+            self._fused[k] = self.stash.fused_weights(output)
+        self._forward_done(half, output)
+
+    def _backward_half(self, action: Backward) -> BackwardHalf:
         k = action.microbatch
         input_tensor, output = self._inflight.pop(k)
         grad = None if self.is_last else self._received.pop(("grad", k))
-        last_of_batch = k % self.m == self.m - 1
-        # DDP reduces gradients only after the batch's last backward.
-        sync = contextlib.nullcontext() if last_of_batch else self.model.no_sync()
-        fused_wgrad.give_dummy_grads(self._fused.pop(k, ()))
-        self.stash.point_to(action.version)
-        with sync:
-            input_grad = schedules.backward_step(input_tensor, output, grad, self.config)
+        return BackwardHalf(k, action.version, input_tensor, output, grad)
+
+    def _reduces_after(self, half: BackwardHalf):
+        """DDP reduces gradients only after the batch's last backward: no_sync before it."""
+        last_of_batch = half.microbatch % self.m == self.m - 1
+        return contextlib.nullcontext() if last_of_batch else self.model.no_sync()
+
+    def _backward_done(self, half: BackwardHalf, input_grad) -> None:
         if not self.is_first:
-            self._outgoing[("grad", k)] = input_grad
+            self._outgoing[("grad", half.microbatch)] = input_grad
+
+    def _backward(self, action: Backward) -> None:
+        half = self._backward_half(action)
+        with self._reduces_after(half):
+            if self.combined is not None:
+                _, input_grad = self.combined.step(None, half)
+            else:
+                fused_wgrad.give_dummy_grads(self._fused.pop(half.microbatch, ()))
+                self.stash.point_to(half.version)
+                input_grad = schedules.backward_step(half.input_tensor, half.output, half.grad, self.config)
+        self._backward_done(half, input_grad)
+
+    def _forward_backward(self, action: ForwardBackward, data_for: DataFor) -> None:
+        """One combined step: the forward beside the backward, each node at its own
+        microbatch's version (combined_step.py)."""
+        if self.combined is None:
+            raise ScheduleError(f"stage {self.links.stage}: {action!r} is a combined step, which runs only with "
+                                "--overlap-moe-expert-parallel-comm (Megatron's combined forward-backward step)")
+        forward = self._forward_half(action.forward, data_for)
+        backward = self._backward_half(action.backward)
+        with self._reduces_after(backward):
+            output, input_grad = self.combined.step(forward, backward)
+        self._forward_done(forward, output)
+        self._backward_done(backward, input_grad)
 
     @property
     def next_step(self) -> int:
@@ -198,6 +243,9 @@ class StageExecutor:
                 case Backward():
                     self._lookahead.popleft()
                     self._backward(action)
+                case ForwardBackward():
+                    self._lookahead.popleft()
+                    self._forward_backward(action, data_for)
                 case OptimizerStep():
                     self._lookahead.popleft()
                     result = self._step_and_retire(action)
@@ -205,8 +253,8 @@ class StageExecutor:
                         return True, result
                 case _:
                     raise ScheduleError(f"stage {self.links.stage}: the executor cannot run {action!r} "
-                                        f"({type(action).__name__}); it runs Forward, Backward, OptimizerStep "
-                                        "and point-to-point actions")
+                                        f"({type(action).__name__}); it runs Forward, Backward, ForwardBackward, "
+                                        "OptimizerStep and point-to-point actions")
         return False, None
 
     def _step_and_retire(self, action: OptimizerStep):

@@ -30,11 +30,14 @@ class StageContext:
     dtype: torch.dtype  # and in which dtype
     device: torch.device  # where the stage computes
     groups: object  # the run's process groups (Megatron-Core's ProcessGroupCollection: pp, cp, ...)
+    # Megatron's --overlap-moe-expert-parallel-comm: training passes run through its combined step
+    combined_steps: bool = False
 
 
 def stage_context(model: torch.nn.Module, stash: WeightStashManager, forward_step_func: Callable,
                   num_microbatches: int, activation_shape: tuple, dtype: torch.dtype, groups,
-                  links: Optional[StageLinks] = None) -> StageContext:
+                  links: Optional[StageLinks] = None, combined_steps: bool = False) -> StageContext:
     """This rank's stage over the pipeline group of `groups` (or `links`), on its model's device."""
     return StageContext(model, links if links is not None else stage_links(groups.pp), stash, forward_step_func,
-                        num_microbatches, activation_shape, dtype, next(model.parameters()).device, groups)
+                        num_microbatches, activation_shape, dtype, next(model.parameters()).device, groups,
+                        combined_steps)

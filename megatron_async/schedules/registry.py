@@ -56,11 +56,17 @@ class ScheduleSpec:
         --overlap-moe-expert-parallel-comm (combined steps). None: it has none."""
         return _resolve(self.ep_overlap_generator if ep_overlap else self.generator)
 
-    def stream_for(self, num_stages: int, num_microbatches: int, num_batches: int, first_batch: int = 0):
+    def stream_for(self, num_stages: int, num_microbatches: int, num_batches: int, first_batch: int = 0,
+                   ep_overlap: bool = False):
         """The lists `runtime` executes for a run of `num_batches` batches from `first_batch`:
-        this schedule's generator, streamed by its `stream` class."""
+        this schedule's generator (with `ep_overlap`, its combined-step one), streamed by its
+        `stream` class."""
+        generator = self.action_generator(ep_overlap)
+        if generator is None and ep_overlap:  # never the plain lists in their place
+            raise ValueError(f"pipeline schedule {self.name!r} has no action lists with "
+                             "--overlap-moe-expert-parallel-comm")
         return _resolve(self.stream)(num_stages, num_microbatches, num_batches, first_batch=first_batch,
-                                     generator=self.action_generator())
+                                     generator=generator)
 
     def run_class(self) -> Optional[Callable]:
         """The class that trains this schedule in Megatron's loop (None: Megatron's own function)."""

@@ -184,11 +184,9 @@ SILENTLY_WRONG_UNDER_2BW = (
     ("fp8_param_gather", bool, "--fp8-param-gather", "keeps the weights as fp8 tensors " + _STASH_WHY),
     ("fp4_param_gather", bool, "--fp4-param-gather", "keeps the weights as fp4 tensors " + _STASH_WHY),
     ("delay_wgrad_compute", bool, "--delay-wgrad-compute",
-     "defers weight gradients to backward_dw(), which only Megatron's combined 1F1B schedule calls: under 2bw "
-     "they would never be computed"),
-    ("overlap_moe_expert_parallel_comm", bool, "--overlap-moe-expert-parallel-comm",
-     "runs Megatron's combined 1F1B schedule (expert all-to-alls overlapped with another microbatch), which "
-     "2bw replaces: the overlap would silently not happen"),
+     "defers weight gradients to backward_dw(), which only Megatron's combined step calls, and Megatron's "
+     "TransformerConfig takes it only beside --overlap-moe-expert-parallel-comm, which 2bw keeps out of that "
+     "config (it would ask for virtual stages)"),
     ("overlap_dispatch_backward_with_experts_wgrad", bool, "--overlap-dispatch-backward-with-experts-wgrad",
      "defers expert weight gradients into Megatron's combined 1F1B schedule, which 2bw replaces"),
     ("defer_embedding_wgrad_compute", bool, "--defer-embedding-wgrad-compute",
@@ -401,6 +399,9 @@ def check_2bw(args: argparse.Namespace) -> None:
              "--clip-grad-mode stale-global needs --clip-grad > 0")
     for name, refused, refused_flag, why in REFUSED_UNDER_2BW + SILENTLY_WRONG_UNDER_2BW:
         _require(not refused(getattr(args, name, None)), f"{flag}: {refused_flag} {why}")
+    from megatron_async.megatron_lm.adapter.combined_step_flags import check_combined_steps
+
+    check_combined_steps(args, flag)  # --overlap-moe-expert-parallel-comm: Megatron's checks, made here
 
 
 def _schedule_flag(mode: run_mode.RunMode) -> str:

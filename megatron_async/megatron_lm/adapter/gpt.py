@@ -62,11 +62,16 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model):
-    """One microbatch through this stage's model chunk: per-token losses on the last stage."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One microbatch through this stage's model chunk: per-token losses on the last stage.
+
+    `return_schedule_plan`: Megatron's combined forward-backward step
+    (--overlap-moe-expert-parallel-comm) asks for the model's schedule plan of the same inputs
+    instead, which it runs node by node beside another microbatch's backward."""
     batch = get_batch(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                   loss_mask=batch["loss_mask"])
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                 loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

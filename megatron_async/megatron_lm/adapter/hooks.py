@@ -536,6 +536,12 @@ def _moe_metrics_sync(original):
     return hooked
 
 
+def _transformer_config(original):
+    from megatron_async.megatron_lm.adapter.combined_step_flags import transformer_config
+
+    return transformer_config(original)
+
+
 T = "megatron.training.training"
 A = "megatron.training.arguments"
 HOOKS = (
@@ -543,6 +549,10 @@ HOOKS = (
          EVERY),
     Hook(A, "validate_args", "arguments.py:107 parse_and_validate_args", _validate_args, EVERY),
     Hook(A, "_print_args", "arguments.py:1904 validate_args: the argument dump", _print_args, EVERY),
+    Hook("megatron.training.argument_utils", "core_transformer_config_from_args",
+         "argument_utils.py:451 gpt_config_from_args, Megatron-LM's model providers (arguments.py re-exports it); "
+         "--overlap-moe-expert-parallel-comm under 2bw: no demand for virtual stages",
+         _transformer_config, DELAYED, also=(A,)),
     Hook(T, "get_forward_backward_func", "training.py:3614 train, 4198 evaluate", _get_forward_backward_func, EVERY),
     Hook(T, "get_megatron_optimizer", "training.py:2132 setup_model_and_optimizer (before load_checkpoint, 2199)",
          _get_megatron_optimizer, EVERY),

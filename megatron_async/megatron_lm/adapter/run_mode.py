@@ -40,6 +40,10 @@ class RunMode:
     simulated_stages: int = 1  # --simulated-pipeline-stages: the would-be stages clipped apart
     predict: bool = False  # --delay-correction predict: the stash holds two predictions
     agreed_stop: bool = False  # every rank stops at one agreed iteration (pipeline/stop_agreement.py)
+    # Megatron's --overlap-moe-expert-parallel-comm under a schedule of our runtime: the runtime runs
+    # the schedule's combined forward-backward lists through Megatron's combined step (2bw's checks
+    # refuse it where the schedule has no such lists)
+    combined_steps: bool = False
 
     def __reduce__(self):
         # Megatron pickles its args into every checkpoint; a mode is the run's, not the checkpoint's,
@@ -102,8 +106,10 @@ def resolve(args) -> RunMode:
     spec = SIMULATED_DELAY if max(delays) > 0 and schedule.run is None else schedule
     agreed_stop = spec.runtime is not None and bool(
         getattr(args, "exit_signal_handler", False) or getattr(args, "exit_duration_in_mins", None))
+    combined_steps = spec.runtime is not None and bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
     return RunMode(spec=spec, schedule=schedule, delays=delays, simulated_stages=stages,
-                   predict=getattr(args, "delay_correction", "none") == "predict", agreed_stop=agreed_stop)
+                   predict=getattr(args, "delay_correction", "none") == "predict", agreed_stop=agreed_stop,
+                   combined_steps=combined_steps)
 
 
 def hold(args, mode: RunMode) -> RunMode:

@@ -38,6 +38,7 @@ class TwoBWRun(DelayedRun):
         make_stage_local(optimizer, args.use_distributed_optimizer, groups)
         super().__init__(args, model_chunks, optimizer, depth=mode.stash_depth)
         self.spec = mode.spec
+        self.combined_steps = mode.combined_steps  # --overlap-moe-expert-parallel-comm: combined-step lists
         self._stop = stop  # the stop agreement (--exit-signal-handler / --exit-duration-in-mins), or None
         self._rank_only_group = rank_only_group  # the "pipeline group" of Megatron's MoE metrics, or None
         self._stale_norm = _stale_norm(args, groups)  # with --clip-grad-mode stale-global, else None
@@ -81,9 +82,10 @@ class TwoBWRun(DelayedRun):
         say_grad_norm_note(args)  # before Megatron's first log line, which shows the last stage's norm
         context = stage_context(model_chunk, self.stash, forward_step_func, get_num_microbatches(),
                                 _activation_shape(args, config, self.groups), config.pipeline_dtype or args.params_dtype,
-                                self.groups)
+                                self.groups, combined_steps=self.combined_steps)
         return self.spec.runner_class()(
-            context, self.spec.stream_for, args.train_iters, start_batch=args.iteration,
+            context, partial(self.spec.stream_for, ep_overlap=self.combined_steps), args.train_iters,
+            start_batch=args.iteration,
             finalize_grads=partial(config.finalize_model_grads_func, [model_chunk], None),
             stale_norm=self._stale_norm, on_batch_start=self.rng.snapshot)
 
