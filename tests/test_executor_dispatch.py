@@ -106,3 +106,20 @@ def test_an_evaluation_leaves_the_model_in_train_mode_however_it_ends(fails, mon
         assert runner.evaluate_iterators([iter([1]), iter([2])]) == ["report"]
     assert runner.model.training and not seen["training"] and seen["forward_only"]
     assert seen["actions"] == [Forward(0, 3), Forward(1, 3)]
+
+
+def test_a_combined_step_without_the_flag_stops_naming_it(monkeypatch):
+    """2bw's lists with combined steps (gen_2bw_paired) run only through Megatron's combined
+    step (--overlap-moe-expert-parallel-comm); an executor without it stops at the first one
+    instead of running it some other way. Control: its warm-up forwards before it ran."""
+    from megatron_async.schedules.actions import Forward, ForwardBackward
+    from megatron_async.schedules.gen_2bw_paired import two_bw_paired
+
+    p, m = 2, 3
+    lists = two_bw_paired(p, m, 2)  # (one batch of m = 2p-1 has no combined step: all warm-up)
+    ran: list = []
+    e = _executor(lists[0], 0, p, m, monkeypatch, ran)
+    with pytest.raises(ScheduleError, match=r"ForwardBackward\(.*--overlap-moe-expert-parallel-comm"):
+        e.train_step(0, None)
+    first = next(i for i, a in enumerate(lists[0]) if isinstance(a, ForwardBackward))
+    assert ran == [a for a in lists[0][:first] if isinstance(a, Forward)]
