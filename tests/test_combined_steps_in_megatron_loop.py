@@ -8,9 +8,9 @@ here:
 - its losses equal the `--simulated-delay 1 --simulated-pipeline-stages 2` twin's at PP=1
   x DP=2 without the flag (Megatron's own per-layer forward and backward) within BF16_RTOL
   (bf16 rounds differently at PP=1 and PP=2, by up to 3e-5 in other cases; measured here:
-  bitwise). Control: synchronous training at the twin's layout is another trajectory at that
-  tolerance (and the runtime with the backward nodes left at the forward's version is 1.4e-3
-  off at iteration 4);
+  bitwise), and so do they with layer-wise Muon + EF (a run of its own). Control: synchronous
+  training at the twin's layout is another trajectory at that tolerance (and the runtime with
+  the backward nodes left at the forward's version is 1.4e-3 off at iteration 4);
 - every combined step of the lists ran as one call of Megatron's combined step (none split
   into a lone forward and backward), each node at its own microbatch's version as the
   stash's storages show it, steps whose halves need different versions included; and each
@@ -33,7 +33,8 @@ PP = 2
 FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type",
          "alltoall", "--disable-bias-linear", "--expert-model-parallel-size", "2", "--bf16", "--grad-reduce-in-bf16",
          "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--global-batch-size", "16"]
-OVERLAP = ["--pipeline-model-parallel-size", str(PP), "--pipeline-schedule", "2bw", "--overlap-moe-expert-parallel-comm"]
+OVERLAP = ["--pipeline-model-parallel-size", str(PP), "--pipeline-schedule", "2bw",
+           "--overlap-moe-expert-parallel-comm"]
 TWIN = ["--simulated-delay", "1", "--simulated-pipeline-stages", str(PP)]
 # Megatron's backward nodes that compute (the all-to-alls are moe_dispatch and moe_combine)
 COMPUTE = ("pre_dispatch_computation", "mlp")
@@ -60,6 +61,14 @@ def test_2bw_with_the_ep_overlap_equals_its_twin(overlap_run, tmp_path):
     sync = losses(tmp_path, "sync", 2, FLAGS)  # control: the comparison tells another trajectory
     with pytest.raises(AssertionError):
         assert_same(found, sync, BF16_RTOL)
+
+
+def test_2bw_with_the_ep_overlap_and_layer_wise_muon_ef_equals_its_twin(tmp_path):
+    """The same with Megatron's layer-wise Muon (the distributed optimizer) and EF: its gather
+    copies into the parameters' current storage, which the nodes point at their versions."""
+    muon = ["--optimizer", "muon", "--delay-correction", "ef"]
+    two_bw = losses(tmp_path, "overlap", 4, FLAGS + OVERLAP + muon)
+    assert_same(two_bw, losses(tmp_path, "twin", 2, FLAGS + TWIN + muon), BF16_RTOL)
 
 
 def _steps(events: list) -> list[tuple]:
