@@ -53,3 +53,21 @@ def test_the_gradient_receive_is_posted_for_a_constant_time_not_a_batch(p, m):
     now, before = grad_receive_open(p, m), grad_receive_open(p, m, "first backward")
     assert now == pytest.approx(2.0 + (p - 1) * 1.0)
     assert before > m * 3.0 / 2 > now
+
+
+def test_only_a_deeper_warm_up_on_the_last_stage_runs_a_forward_before_the_tied_install():
+    """The last stage installs the first stage's version v of the embeddings at its step v:
+    2bw's own lists never run a forward at v before it; the lists with combined steps
+    (gen_2bw_paired, one warm-up forward on the last stage) and the test registry's deeper
+    warm-up do, which the flag checks refuse with tied embeddings (tests/test_refusals.py)."""
+    from megatron_async.planning.tied_link_timing import forward_before_install
+    from megatron_async.schedules.gen_2bw import two_bw
+    from megatron_async.schedules.gen_2bw_paired import two_bw_paired
+    from tests.support.registered_schedule_entry import deep_warmup
+
+    assert all(forward_before_install(two_bw(p, m, 4)) is None for p, m in GRID)
+    for p in (2, 3, 4):
+        for m in (2 * p - 1, 4 * p):
+            early = forward_before_install(two_bw_paired(p, m, 4))
+            assert early is not None and early.microbatch == 2 * m and early.version == 1, (p, m, early)
+    assert forward_before_install(deep_warmup(2, 4, 3)) is not None

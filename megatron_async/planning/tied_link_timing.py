@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_async.schedules.actions import Backward, Forward, OptimizerStep
+from megatron_async.schedules.actions import Backward, Forward, OptimizerStep, passes
 from megatron_async.schedules.gen_2bw import two_bw, version_2bw
 from megatron_async.schedules.simulator import simulate
 
@@ -76,3 +76,21 @@ def grad_receive_open(num_stages: int, microbatches: int, posted_at: str = "sent
         last = Backward((b + 1) * m - 1, version_2bw((b + 1) * m - 1, m))
         open_for.append(ends[(p - 1, last)] - posted)
     return max(open_for)
+
+
+def forward_before_install(lists) -> Forward | None:
+    """The last stage's first forward at a version v >= 1 that runs before its OptimizerStep(v),
+    where the tied link installs the first stage's version v into the last stage's copy of the
+    word embeddings (pipeline/tied_embeddings.py); None if there is none. Such a forward would
+    read the last stage's own update of its copy, which the link discards: under 2bw's own
+    lists the last stage runs batch b+1 (version b) only after its step b, but a deeper warm-up
+    there (the combined-step lists of gen_2bw_paired, one forward) runs it a step earlier."""
+    done = -1  # the last optimizer step run
+    for action in lists[-1]:
+        if isinstance(action, OptimizerStep):
+            done = action.step
+            continue
+        for x in passes(action):
+            if isinstance(x, Forward) and x.version >= 1 and x.version > done:
+                return x
+    return None

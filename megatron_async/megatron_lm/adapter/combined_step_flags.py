@@ -54,12 +54,6 @@ def check_combined_steps(args: argparse.Namespace, schedule_flag: str) -> None:
     _require((args.mtp_num_layers or 0) <= 1,
              f"{head}: --mtp-num-layers {args.mtp_num_layers}: the combined step runs at most one multi-token "
              "prediction layer (Megatron refuses more)")
-    copies_embeddings = not args.untie_embeddings_and_output_weights or bool(args.mtp_num_layers)
-    _require(not copies_embeddings,
-             f"{head} needs --untie-embeddings-and-output-weights and no --mtp-num-layers: the last stage's copy of "
-             "the word embeddings is the first stage's, installed at the last stage's optimizer step "
-             "(pipeline/tied_embeddings.py), and the combined-step lists run that stage's first forward of the "
-             "next version before that step, which would read the stage's own, discarded update")
     from megatron.core.utils import is_torch_min_version
 
     _require(is_torch_min_version("2.6.0"), f"{head} needs torch >= 2.6 (Megatron: its all-to-all overlap hangs "

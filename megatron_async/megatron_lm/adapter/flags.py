@@ -402,6 +402,23 @@ def check_2bw(args: argparse.Namespace) -> None:
     from megatron_async.megatron_lm.adapter.combined_step_flags import check_combined_steps
 
     check_combined_steps(args, flag)  # --overlap-moe-expert-parallel-comm: Megatron's checks, made here
+    if copies_embeddings:
+        _check_tied_link_timing(args, mode, flag, m)
+
+
+def _check_tied_link_timing(args: argparse.Namespace, mode: run_mode.RunMode, flag: str, m: int) -> None:
+    """The last stage's copy of the word embeddings is installed at its own optimizer steps:
+    refused where the run's lists run a forward there at a version before its install."""
+    from megatron_async.planning.tied_link_timing import forward_before_install
+
+    lists = mode.schedule.action_generator(mode.combined_steps)(args.pipeline_model_parallel_size, m, 3)
+    early = forward_before_install(lists)
+    with_lists = " with --overlap-moe-expert-parallel-comm (its combined-step lists)" if mode.combined_steps else ""
+    _require(early is None,
+             f"{flag}{with_lists} needs --untie-embeddings-and-output-weights and no --mtp-num-layers: the last "
+             "stage's copy of the word embeddings is the first stage's version v, installed at that stage's "
+             f"optimizer step v (pipeline/tied_embeddings.py), and its lists run {early} before that step, which "
+             "would read the stage's own, discarded update")
 
 
 def _schedule_flag(mode: run_mode.RunMode) -> str:
