@@ -33,7 +33,6 @@ forward built.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -114,12 +113,6 @@ class CombinedSteps:
     def __init__(self, model, stash, forward_step_func: Callable, config):
         from megatron.core.pipeline_parallel.utils import set_streams
 
-        if "return_schedule_plan" not in inspect.signature(forward_step_func).parameters:
-            raise TypeError(
-                "megatron-async: --overlap-moe-expert-parallel-comm under 2bw runs Megatron's combined step, which "
-                "calls the forward step with return_schedule_plan=True for the model's schedule plan "
-                f"(GPTModel.build_schedule_plan); {getattr(forward_step_func, '__qualname__', forward_step_func)} "
-                "takes no such argument")
         self.model, self.stash, self.forward_step_func, self.config = model, stash, forward_step_func, config
         set_streams(high_priority=config.high_priority_a2a_comm_stream)
 

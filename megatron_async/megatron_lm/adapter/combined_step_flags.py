@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import inspect
 
 from megatron_async.megatron_lm.adapter import run_mode
 from megatron_async.megatron_lm.safety.failures import FlagError
@@ -80,6 +81,20 @@ def check_combined_steps(args: argparse.Namespace, schedule_flag: str) -> None:
              f"{head}: --ep-overlap-early-attn-memory-release is checked by Megatron's TransformerConfig against "
              f"{FLAG}, which the plugin keeps out of that config under {schedule_flag} (the config would ask for "
              "virtual stages): drop it")
+
+
+def check_forward_step(forward_step_func) -> None:
+    """Megatron's combined step calls the forward step with return_schedule_plan=True (for the
+    model's schedule plan, GPTModel.build_schedule_plan): refuse one that takes no such
+    argument where the runner starts, before its first pass, naming the flag."""
+    params = inspect.signature(forward_step_func).parameters.values()
+    if any(p.name == "return_schedule_plan" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    name = getattr(forward_step_func, "__qualname__", repr(forward_step_func))
+    raise FlagError(f"{FLAG} runs each pass through Megatron's combined step, which calls the forward step with "
+                    f"return_schedule_plan=True for the model's schedule plan (GPTModel.build_schedule_plan); "
+                    f"the forward step {name} takes no such argument: add `return_schedule_plan=False` to it "
+                    f"(Megatron-LM's pretrain_gpt.py forward_step has it), or drop {FLAG}")
 
 
 def _hooks_a_last_forward(lists, m: int) -> bool:

@@ -77,6 +77,10 @@ class TwoBWRun(DelayedRun):
         from megatron_async.pipeline.stage_context import stage_context
 
         args = self.args
+        if self.combined_steps:  # before any pass: Megatron's combined step needs return_schedule_plan
+            from megatron_async.megatron_lm.adapter.combined_step_flags import check_forward_step
+
+            check_forward_step(forward_step_func)
         config = get_model_config(model_chunk)
         self.start_from_checkpoint(args)
         say_grad_norm_note(args)  # before Megatron's first log line, which shows the last stage's norm
