@@ -8,7 +8,7 @@ all-reduce, recompute) is the reference, and 2bw must give the same loss at ever
 
 A case is (feature, layout, optimizer) with a tolerance class, each with its reason, and an
 optional negative control. A training run is deterministic (fixed seeds, gloo, the mock
-data), so a run with the same flags repeats the one before: `shared_records` trains each once
+data), so a run with the same flags repeats the one before: `shared_losses` trains each once
 per pytest process (a module's tests stay on one xdist worker, --dist loadscope), for the
 twins and controls several cases compare against. Only for comparisons between different
 flags: a test that checks a run against a rerun of itself must run both.
@@ -16,13 +16,11 @@ flags: a test that checks a run against a rerun of itself must run both.
 
 from __future__ import annotations
 
-import copy
-import math
 from dataclasses import dataclass
 
 import pytest
 
-from tests.support.loop_runs import ITERS, LAUNCH, MODEL, RTOL, assert_same, records, run
+from tests.support.loop_runs import ITERS, LAUNCH, MODEL, RTOL, assert_same, losses, records
 
 UNTIE = "--untie-embeddings-and-output-weights"
 TIED = [a for a in MODEL if a != UNTIE]
@@ -160,64 +158,48 @@ def two_bw_flags(pp: int, schedule: str = "2bw") -> list:
 _SHARED: dict = {}
 
 
-def shared_records(tmp_path, nproc: int, extra: list, model: list, module: str = LAUNCH) -> list[dict]:
-    """The metrics records of a run that must finish with ITERS finite losses, trained once
-    per process for the same flags; each caller gets its own copy."""
+def shared_losses(tmp_path, nproc: int, extra: list, model: list, module: str = LAUNCH) -> tuple[list, list]:
+    """(training losses, validation losses during training) of a run that must log ITERS finite
+    training losses, trained once per process for the same flags; each caller gets its own lists."""
     key = (module, nproc, tuple(model), tuple(extra))
     if key not in _SHARED:
-        proc, metrics = run(tmp_path, f"shared{len(_SHARED)}", nproc, extra, module=module, model=model)
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        found = records(metrics)
-        losses = train_losses(found)
-        assert len(losses) == ITERS and all(math.isfinite(x) for x in losses), losses
-        _SHARED[key] = found
-    return copy.deepcopy(_SHARED[key])
-
-
-def train_losses(found: list[dict]) -> list[float]:
-    return [r["lm_loss"] for r in found if "lm_loss" in r]
-
-
-def val_losses(found: list[dict]) -> list[float]:
-    return [r["val_loss"] for r in found if r.get("val_loss") is not None]
-
-
-def max_rel(a: list, b: list) -> float:
-    assert len(a) == len(b) == ITERS, (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        name = f"shared{len(_SHARED)}"
+        train = losses(tmp_path, name, nproc, extra, module=module, model=model)
+        val = [r["val_loss"] for r in records(tmp_path / f"{name}.jsonl") if r.get("val_loss") is not None]
+        _SHARED[key] = train, val
+    return tuple(list(found) for found in _SHARED[key])
 
 
 def check(case: Case, tmp_path) -> None:
     """2bw's losses within the case's tolerance of its twin's (and its validation losses,
     where the case evaluates during training), then the case's negative control."""
     model = case.model()
-    twin = shared_records(tmp_path, *case.twin_run(), model)
-    two_bw = shared_records(tmp_path, *case.two_bw_run(), model)
+    twin, twin_val = shared_losses(tmp_path, *case.twin_run(), model)
+    two_bw, two_bw_val = shared_losses(tmp_path, *case.two_bw_run(), model)
     rtol, why = TOLERANCES[case.tolerance]
     if rtol is None:  # Megatron's own pipelining moves this model by round-off already: measure it
         ranks, flags = case.sync_run()
         layout = LAYOUTS[case.layout]
-        one = train_losses(shared_records(tmp_path, ranks, flags, model))
-        pipelined = train_losses(shared_records(tmp_path, layout.world, flags + [
-            "--pipeline-model-parallel-size", str(layout.pp)], model))
-        rtol = max(TOLERANCES["tied"][0], 2 * max_rel(pipelined, one))
+        one, _ = shared_losses(tmp_path, ranks, flags, model)
+        pipelined, _ = shared_losses(tmp_path, layout.world, flags + ["--pipeline-model-parallel-size", str(layout.pp)],
+                                     model)
+        rtol = max(TOLERANCES["tied"][0], 2 * max(abs(x - y) / abs(y) for x, y in zip(pipelined, one)))
     try:
-        assert_same(train_losses(two_bw), train_losses(twin), rtol)
+        assert_same(two_bw, twin, rtol)
         if "--eval-interval" in case.both:  # it evaluates during training, at the newest weights: those too
-            evaluated = val_losses(twin)
-            assert len(evaluated) >= ITERS // int(case.both[case.both.index("--eval-interval") + 1]), evaluated
-            assert len(val_losses(two_bw)) == len(evaluated), (val_losses(two_bw), evaluated)
-            assert_same(val_losses(two_bw), evaluated, rtol)
+            assert len(twin_val) >= ITERS // int(case.both[case.both.index("--eval-interval") + 1]), twin_val
+            assert len(two_bw_val) == len(twin_val), (two_bw_val, twin_val)
+            assert_same(two_bw_val, twin_val, rtol)
     except AssertionError as error:
         raise AssertionError(f"{error}; the {case.tolerance} class allows {rtol:g}: {why}") from None
     if case.control is None:
         return
     if case.control == SYNC:
-        other = shared_records(tmp_path, *case.sync_run(), model)
+        other, _ = shared_losses(tmp_path, *case.sync_run(), model)
     else:
-        other = shared_records(tmp_path, *case.two_bw_run(), model, module="tests.support.untied_copy")
+        other, _ = shared_losses(tmp_path, *case.two_bw_run(), model, module="tests.support.untied_copy")
     try:
-        assert_same(train_losses(other), train_losses(twin), rtol)
+        assert_same(other, twin, rtol)
     except AssertionError:
         return
     pytest.fail(f"negative control within {rtol:g} of the twin: {CONTROLS[case.control]}, which the comparison "
