@@ -53,9 +53,9 @@ FEATURES = {
     "mtp, tied": (_rope(TIED) + ["--mtp-num-layers", "1"], []),
 }
 
-DIST_OPT = ["--use-distributed-optimizer"]
-REDUCE = ["--overlap-grad-reduce"]
-REDUCE_AND_GATHER = ["--overlap-grad-reduce", "--overlap-param-gather"]  # (the gather needs the reduce)
+DIST_OPT = ("--use-distributed-optimizer",)
+REDUCE = ("--overlap-grad-reduce",)
+REDUCE_AND_GATHER = ("--overlap-grad-reduce", "--overlap-param-gather")  # (the gather needs the reduce)
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,9 @@ class Layout:
 LAYOUTS = {
     "PP=2": Layout(2, 2),
     "PP=4": Layout(4, 4),
-    "PP=2 x DP=2, dist-opt": Layout(2, 4, tuple(DIST_OPT), tuple(REDUCE_AND_GATHER)),
-    "PP=2 x DP=2, dist-opt, overlapped reduce": Layout(2, 4, tuple(DIST_OPT), tuple(REDUCE_AND_GATHER),
-                                                       tuple(REDUCE)),
-    "PP=2 x DP=2, dist-opt, overlapped reduce and gather": Layout(2, 4, tuple(DIST_OPT), tuple(REDUCE_AND_GATHER),
-                                                                  tuple(REDUCE_AND_GATHER)),
+    "PP=2 x DP=2, dist-opt": Layout(2, 4, DIST_OPT, REDUCE_AND_GATHER),
+    "PP=2 x DP=2, dist-opt, overlapped reduce": Layout(2, 4, DIST_OPT, REDUCE_AND_GATHER, REDUCE),
+    "PP=2 x DP=2, dist-opt, overlapped reduce and gather": Layout(2, 4, DIST_OPT, REDUCE_AND_GATHER, REDUCE_AND_GATHER),
     "PP=2 x TP=2": Layout(2, 4, ("--tensor-model-parallel-size", "2")),
     "PP=2 x TP=2, sequence parallel": Layout(2, 4, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
     "PP=2 x EP=2": Layout(2, 4, ("--expert-model-parallel-size", "2")),
@@ -133,14 +131,14 @@ class Case:
         layout = LAYOUTS[self.layout]
         return [*FEATURES[self.feature][1], *layout.both, *OPTIMIZERS[self.optimizer], *self.both]
 
-    def twin_run(self) -> tuple[int, list]:
-        layout = LAYOUTS[self.layout]
-        return layout.world // layout.pp, [*self.common(), *layout.twin, *twin_flags(layout.pp)]
-
     def sync_run(self) -> tuple[int, list]:
         """The twin's ranks and flags without the delay."""
         layout = LAYOUTS[self.layout]
         return layout.world // layout.pp, [*self.common(), *layout.twin]
+
+    def twin_run(self) -> tuple[int, list]:
+        ranks, flags = self.sync_run()
+        return ranks, flags + twin_flags(LAYOUTS[self.layout].pp)
 
     def two_bw_run(self) -> tuple[int, list]:
         layout = LAYOUTS[self.layout]
