@@ -174,3 +174,33 @@ def test_multi_token_prediction_layers_are_left_out_saying_so(monkeypatch, capsy
     cli.main(["--load", "d", "--out", "o"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "left out the 2 multi-token-prediction layer(s) (--mtp-num-layers)" in lines[0], lines
+
+
+def test_a_bf16_checkpoint_a_gpu_run_saves_exports_every_weight_as_saved(tmp_path):
+    """The 10B example's layer at small width as a GPU run saves it: Megatron's arguments
+    without the CPU flags (persistent layer norm and fused kernels asked for), bf16, so
+    Megatron's Float16Module saved every weight in bf16, the norms' too. Written by
+    bench/export/file_backed_checkpoint.py, where every weight chunk holds the first values of
+    one file. Exported and loaded by transformers; each weight that is one chunk (embedding,
+    output layer, norms, router, attention output, each expert's gate, up and down) is those
+    values, bitwise, in bf16."""
+    import transformers
+    from safetensors import safe_open
+
+    ckpt, out, pool = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "pool"
+    proc = warm_python("bench.export.file_backed_checkpoint", [
+        str(ckpt), "--layers", "2", "--hidden", "256", "--experts", "4", "--moe-ffn", "64", "--vocab", "200",
+        "--pool", str(pool)], TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    proc = export_cli(ckpt, out)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "as Qwen3MoeForCausalLM" in proc.stdout, proc.stdout[-2000:]
+    values = torch.frombuffer(bytearray(pool.read_bytes()), dtype=torch.bfloat16)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        saved = {key: f.get_tensor(key) for key in f.keys()}
+    assert {tensor.dtype for tensor in saved.values()} == {torch.bfloat16}
+    whole = [key for key in saved if not key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+    assert len(whole) == 2 + 1 + 2 * (6 + 3 * 4)
+    assert [key for key in whole if not torch.equal(saved[key].flatten(), values[:saved[key].numel()])] == []
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and torch.equal(model.lm_head.weight, saved["lm_head.weight"])

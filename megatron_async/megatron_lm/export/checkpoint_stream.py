@@ -107,20 +107,24 @@ def open_weights(directory: str, args) -> Weights:
 
 
 def read_group(directory: str, group: dict) -> dict[str, torch.Tensor]:
-    """One group's weights: fresh CPU tensors, filled from the checkpoint chunk by chunk."""
+    """One group's weights: fresh CPU tensors, filled from the checkpoint chunk by chunk. A
+    weight a factory split (SwiGLU's [gate; up]) is joined one at a time, its halves' memory
+    let go before the next, so the group is held about once."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
-    from megatron.core.dist_checkpointing.mapping import apply_factory_merges
 
     request = {key: dataclasses.replace(sharded, data=torch.empty(sharded.data.shape, dtype=sharded.data.dtype))
                for key, sharded in group.items()}
-    factories = {key: sharded for key, sharded in request.items() if isinstance(sharded, ShardedTensorFactory)}
+    merges = {key: sharded.merge_fn for key, sharded in request.items() if isinstance(sharded, ShardedTensorFactory)}
     apply_factories(request)
-    chunks = [sharded for sharded in nested_values(request) if isinstance(sharded, ShardedTensor)]
-    _read_chunks(directory, chunks)
-    loaded = dict_list_map_inplace(lambda sharded: sharded.data if isinstance(sharded, ShardedTensor) else sharded,
-                                   request)
-    return apply_factory_merges(loaded, factories)
+    _read_chunks(directory, [sharded for sharded in nested_values(request) if isinstance(sharded, ShardedTensor)])
+    weights = {}
+    for key in list(request):
+        loaded = dict_list_map_inplace(lambda sharded: sharded.data if isinstance(sharded, ShardedTensor) else sharded,
+                                       request.pop(key))
+        weights[key] = merges[key](loaded) if key in merges else loaded
+        del loaded
+    return weights
 
 
 def _read_chunks(directory: str, chunks: list) -> None:

@@ -22,9 +22,10 @@ ONE_STAGE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                  num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                  pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=False,
                  account_for_loss_in_pipeline_split=False, tp_comm_overlap=False)
+# (Megatron derives the layer norm's `persist_layer_norm` from --no-persist-layer-norm, which a GPU run leaves off)
 LOCAL = dict(transformer_impl="local", use_cpu_initialization=True, perform_initialization=False,
              gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-             apply_rope_fusion=False, persist_layer_norm=False, fp8=None)
+             apply_rope_fusion=False, persist_layer_norm=False, no_persist_layer_norm=True, fp8=None)
 
 
 def saved_args(directory: str):
@@ -89,7 +90,13 @@ def start_process_group(tensor_parallel: int = 1, pipeline_parallel: int = 1, vi
 
 
 def build_model(config, vp_stage: int | None = None):
+    """Megatron's GPT for `config`, its weights in the dtype training saves them in: a bf16 or
+    fp16 run trains the model inside Megatron's Float16Module, which casts every weight (the
+    norms' too), so the checkpoint holds them all in that dtype."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.models.gpt import GPTModelBuilder
 
-    return GPTModelBuilder(config).build_model(ProcessGroupCollection.use_mpu_process_groups(), vp_stage=vp_stage)
+    model = GPTModelBuilder(config).build_model(ProcessGroupCollection.use_mpu_process_groups(), vp_stage=vp_stage)
+    if config.transformer.bf16:
+        return model.bfloat16()
+    return model.half() if config.transformer.fp16 else model
