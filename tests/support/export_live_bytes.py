@@ -38,9 +38,9 @@ def main() -> None:
     read = checkpoint_stream.read_group
     records, held = [], []
 
-    def counted(directory, group):
+    def counted(*args):
         before = live_cpu_bytes()
-        weights = read(directory, group)
+        weights = read(*args)
         records.append({"live_before": before, "group_bytes": sum(t.untyped_storage().nbytes()
                                                                   for t in weights.values())})
         if hold:

@@ -49,6 +49,20 @@ def _group_of(key: str) -> str | None:
     return "embedding" if parts[0] == "embedding" else "output"
 
 
+class IndexOnce(FileSystemReader):
+    """torch.distributed.checkpoint's file reader that unpickles the index (`.metadata`, which
+    lists the optimizer's and the stash's chunks too) once for all the groups' reads."""
+
+    def __init__(self, directory: str):
+        super().__init__(directory)
+        self._index = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._index is None:
+            self._index = super().read_metadata(*args, **kwargs)
+        return self._index
+
+
 @dataclasses.dataclass
 class Weights:
     """The checkpoint at `directory` as groups of the one-stage model's sharded weights, in
@@ -57,6 +71,10 @@ class Weights:
     directory: str
     groups: list[tuple[str, dict]]
     mtp_keys: list[str]
+    reader: IndexOnce = None
+
+    def __post_init__(self):
+        self.reader = self.reader or IndexOnce(self.directory)
 
     def meta(self, name: str) -> dict[str, torch.Tensor]:
         """A group's weights as meta tensors (their shapes and dtypes; nothing is read)."""
@@ -65,7 +83,7 @@ class Weights:
 
     def read(self, name: str) -> dict[str, torch.Tensor]:
         """A group's weights, read from the checkpoint."""
-        return read_group(self.directory, dict(self.groups)[name])
+        return read_group(self.directory, dict(self.groups)[name], self.reader)
 
     def check(self) -> None:
         """Refuse, before anything is read or written, a checkpoint that does not hold every
@@ -73,7 +91,7 @@ class Weights:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-        metadata = FileSystemReader(self.directory).read_metadata()
+        metadata = self.reader.read_metadata()
         for _, group in self.groups:
             request = dict(group)  # apply_factories replaces values; the meta data stays shared
             apply_factories(request)
@@ -106,7 +124,7 @@ def open_weights(directory: str, args) -> Weights:
     return Weights(directory, [(name, groups[name]) for name in order], mtp)
 
 
-def read_group(directory: str, group: dict) -> dict[str, torch.Tensor]:
+def read_group(directory: str, group: dict, reader: FileSystemReader | None = None) -> dict[str, torch.Tensor]:
     """One group's weights: fresh CPU tensors, filled from the checkpoint chunk by chunk. A
     weight a factory split (SwiGLU's [gate; up]) is joined one at a time, its halves' memory
     let go before the next, so the group is held about once."""
@@ -117,7 +135,8 @@ def read_group(directory: str, group: dict) -> dict[str, torch.Tensor]:
                for key, sharded in group.items()}
     merges = {key: sharded.merge_fn for key, sharded in request.items() if isinstance(sharded, ShardedTensorFactory)}
     apply_factories(request)
-    _read_chunks(directory, [sharded for sharded in nested_values(request) if isinstance(sharded, ShardedTensor)])
+    _read_chunks(directory, [sharded for sharded in nested_values(request) if isinstance(sharded, ShardedTensor)],
+                 reader or FileSystemReader(directory))
     weights = {}
     for key in list(request):
         loaded = dict_list_map_inplace(lambda sharded: sharded.data if isinstance(sharded, ShardedTensor) else sharded,
@@ -127,11 +146,11 @@ def read_group(directory: str, group: dict) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _read_chunks(directory: str, chunks: list) -> None:
+def _read_chunks(directory: str, chunks: list, reader: FileSystemReader) -> None:
     """Fill each ShardedTensor's data with its chunk of the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load({}, storage_reader=FileSystemReader(directory), planner=ChunkReads(directory, chunks), no_dist=True)
+    dcp.load({}, storage_reader=reader, planner=ChunkReads(directory, chunks), no_dist=True)
 
 
 class ChunkReads(DefaultLoadPlanner):
