@@ -18,7 +18,11 @@ as it is:
 
 - before a node's forward or backward the stash points the parameters at that node's own
   microbatch's version (the pointer each kernel reads is taken when it is launched, so the
-  other microbatch's nodes in between read theirs);
+  other microbatch's nodes in between read theirs). Only the weights the node may read: a
+  layer's nodes read their layer's and the weights outside every layer (the last layer's
+  combine node applies the decoder's final norm), never another layer's; the pre- and
+  post-process nodes read only those outside. So a switch costs a layer's parameters, not
+  the stage's, several times a layer in every step;
 - a forward node whose backward comes after an optimizer step runs under the stash's
   saved-tensor hooks, node by node, as a whole forward does otherwise;
 - such a node's fused weight-gradient layers (stash/fused_wgrad.py) are found in its own
@@ -69,15 +73,17 @@ class BackwardHalf:
 class NodeAtVersion:
     """One node of a plan, run with the parameters at its microbatch's version."""
 
-    def __init__(self, node, label: str, module: torch.nn.Module, microbatch: int, version, hooks: bool, stash):
+    def __init__(self, node, label: str, module: torch.nn.Module, microbatch: int, version, hooks: bool, stash,
+                 reads: tuple):
         self.node, self.label, self.module = node, label, module
         self.microbatch, self.version, self.hooks, self.stash = microbatch, version, hooks, stash
+        self.reads = reads  # the stash's positions of the weights it may read (module docstring)
         self.fused: list = []  # its fused weight-gradient layers' weights (hooked forwards only)
         self._forward, self._backward = node.forward_func, node.backward_func
         node.forward_func, node.backward_func = self.forward, self.backward
 
     def forward(self, *inputs):
-        with self.stash.use(self.version, hooks=self.hooks):
+        with self.stash.use(self.version, hooks=self.hooks, only=self.reads):
             outputs = self._forward(*inputs)
         if self.hooks:  # the graph of this node only: from its outputs to its detached inputs
             roots = list(outputs) if isinstance(outputs, tuple) else [outputs]
@@ -85,7 +91,7 @@ class NodeAtVersion:
         return outputs
 
     def backward(self, outputs, output_grad):
-        self.stash.point_to(self.version)
+        self.stash.point_to(self.version, self.reads)
         fused_wgrad.give_dummy_grads(self.fused)
         self.fused = []
         return self._backward(outputs, output_grad)
@@ -114,7 +120,21 @@ class CombinedSteps:
         from megatron.core.pipeline_parallel.utils import set_streams
 
         self.model, self.stash, self.forward_step_func, self.config = model, stash, forward_step_func, config
+        self._reads: dict = {}  # id(module) -> the stash's positions of the weights its nodes may read
         set_streams(high_priority=config.high_priority_a2a_comm_stream)
+
+    def _weights_read(self, plan, model) -> dict:
+        """id(module) -> what the nodes of `module` may read (module docstring): for a layer, its
+        own weights and those outside every layer; for the model (pre- and post-process), those
+        outside alone. The same modules in every plan: computed once."""
+        if not self._reads:
+            layers = [plan.get_layer(i).layer for i in range(plan.num_layers())]
+            inside = {id(p) for layer in layers for p in layer.parameters()}
+            outside = self.stash.indices_of(p for p in model.parameters() if id(p) not in inside)
+            self._reads[id(model)] = outside
+            for layer in layers:
+                self._reads[id(layer)] = self.stash.indices_of(layer.parameters()) + outside
+        return self._reads
 
     def _planning(self, half: ForwardHalf) -> Callable:
         """The forward step Megatron's combined step calls for `half`: the model's plan, its nodes
@@ -123,8 +143,10 @@ class CombinedSteps:
 
         def planned(data_iterator, model, return_schedule_plan=True):
             plan, loss_func = forward_step(data_iterator, model, return_schedule_plan=return_schedule_plan)
+            reads = self._weights_read(plan, model)
             for label, module, node in plan_nodes(plan, model):
-                NodeAtVersion(node, label, module, half.microbatch, half.version, half.hooks, self.stash)
+                NodeAtVersion(node, label, module, half.microbatch, half.version, half.hooks, self.stash,
+                              reads[id(module)])
             return plan, loss_func
 
         return planned

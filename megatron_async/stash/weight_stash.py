@@ -11,7 +11,9 @@ stages lag by different numbers of steps, as in original PipeDream).
 - The stash is flat buffers laid out exactly like Megatron DDP's parameter buffers
   (one per DDP buffer, same offsets), so saving a version is one copy per buffer.
 - Running a microbatch at version v repoints every `param.data` to v's storage (no
-  copies). Tensors autograd saves for the backward that are parameters, or views
+  copies), or those a piece of the pass reads alone (`point_to(v, only=...)`: a node of
+  Megatron's combined step), the stash then recording where each parameter points.
+  Tensors autograd saves for the backward that are parameters, or views
   of them (a matmul saves `weight.t()`), are recorded as (param, version, view)
   and rebuilt from that version's storage when the backward unpacks them, so a
   backward always sees the weights of its own forward, even after an optimizer
@@ -39,7 +41,7 @@ the one no microbatch needs any more: one weight copy more than 2BW.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -88,6 +90,7 @@ class WeightStashManager:
             _storage_ptr(flat) for slot in self._slots for flat in slot}
         self._weight_storages.discard(None)
         self._pointed = self.newest
+        self._each = None  # after a switch of some parameters (`only`): the version each points at
         self.copy_live_into_stash(all_slots=True)
         if predict is not None:
             self._slot_version = [0, -1]  # P(0) = W(0); the other slot is free
@@ -125,18 +128,38 @@ class WeightStashManager:
         by_version = {v: self._storage(v) for v in set(version)}
         return [by_version[v][i] for i, v in enumerate(version)]
 
-    def point_to(self, version: Version) -> None:
+    def point_to(self, version: Version, only: Optional[Sequence[int]] = None) -> None:
         """Make every parameter's data the weights of `version`: one version for all,
-        or a tuple with one version per parameter (in the order of `self.params`)."""
+        or a tuple with one version per parameter (in the order of `self.params`).
+
+        `only`: the positions (`indices_of`) of the parameters to point, the others left where
+        they point: for a piece of a pass that reads those alone (a node of Megatron's combined
+        step), so a switch costs its own parameters, not the stage's."""
         if version == self._pointed:
             return
         if self._gather_due:  # before the copying gather could land in a stash slot
             self._point_live()
             param_gather.gather_all_now(self.chunks)
             self._gather_due = False
-        for param, data in zip(self.params, self._storages(version)):
+        storages = self._storages(version)
+        if only is not None:
+            each = self._each
+            if each is None:  # from one version for all (or none known) to one a parameter
+                each = self._each = [self._pointed] * len(self.params)
+            params = self.params
+            for i in only:
+                if each[i] != version:
+                    params[i].data = storages[i]
+                    each[i] = version
+            self._pointed = None  # the parameters may point at more than one version now
+            return
+        for param, data in zip(self.params, storages):
             param.data = data
-        self._pointed = version
+        self._pointed, self._each = version, None
+
+    def indices_of(self, params) -> tuple[int, ...]:
+        """The positions in `self.params` of those of `params` the stash holds (for `only`)."""
+        return tuple(self._index[id(p)] for p in params if id(p) in self._index)
 
     def live_storage(self, param: torch.nn.Parameter) -> torch.Tensor:
         """`param`'s live storage (DDP's view), wherever `param.data` points now."""
@@ -146,14 +169,14 @@ class WeightStashManager:
         return sorted({self.newest, *self._slot_version})
 
     @contextlib.contextmanager
-    def use(self, version: Version, hooks: bool = True) -> Iterator[None]:
-        """Run a forward at `version` (see `point_to`); its backward will see the same weights
-        (a backward only needs `point_to`).
+    def use(self, version: Version, hooks: bool = True, only: Optional[Sequence[int]] = None) -> Iterator[None]:
+        """Run a forward at `version` (see `point_to`, and its `only`); its backward will see
+        the same weights (a backward only needs `point_to`).
 
         `hooks=False` only points the parameters: right where no optimizer step falls
         between this forward and its backward (which must then run at the same version).
         """
-        self.point_to(version)
+        self.point_to(version, only)
         self._update_scattered = False  # the forward's pre-hooks gather every bucket it reads
         if not hooks:
             yield
@@ -181,7 +204,7 @@ class WeightStashManager:
             if not isinstance(saved, tuple):
                 return saved
             i, v, view = saved
-            self.point_to(v)
+            self.point_to(v, (i,))  # the weight it rebuilds; a backward reads only what it saved
             param = self.params[i]
             if view is None:
                 return param
@@ -235,6 +258,7 @@ class WeightStashManager:
         for param, data in zip(self.params, self._live):
             param.data = data
         self._pointed = None if self.predict is not None else self.newest
+        self._each = None
 
     def gather_update(self, params) -> None:
         """Before the tied link sends or overwrites the live `params`: gather the last step's
