@@ -13,9 +13,17 @@ here:
   the backward nodes left at the forward's version is 1.4e-3 off at iteration 4);
 - every combined step of the lists ran as one call of Megatron's combined step (none split
   into a lone forward and backward), each node at its own microbatch's version as the
-  stash's storages show it, steps whose halves need different versions included; and each
-  forward all-to-all was launched between compute nodes of the other microbatch's backward;
-- no blocking collective spans the two stages.
+  stash's storages show it, steps whose halves need different versions included; every
+  module a node's forward calls reads its weights at that version, and they are among the
+  weights the node points (a node points only those, pipeline/combined_step.py: with the
+  decoder's final norm left out of the last layer's nodes the run is 1.2e-4 off its twin);
+  and each forward all-to-all was launched between compute nodes of the other microbatch's
+  backward;
+- no blocking collective spans the two stages (outside the checkpoint save, where every rank
+  meets by design);
+- the run saves at iteration SAVED_AT on the way, and resumed from there (with the flag) it
+  equals the uninterrupted run bitwise. Control: the comparison tells synchronous training's
+  losses apart.
 """
 
 import json
@@ -36,31 +44,52 @@ FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff",
 OVERLAP = ["--pipeline-model-parallel-size", str(PP), "--pipeline-schedule", "2bw",
            "--overlap-moe-expert-parallel-comm"]
 TWIN = ["--simulated-delay", "1", "--simulated-pipeline-stages", str(PP)]
+SAVED_AT = 4
 # Megatron's backward nodes that compute (the all-to-alls are moe_dispatch and moe_combine)
 COMPUTE = ("pre_dispatch_computation", "mlp")
 
 
 @pytest.fixture(scope="module")
 def overlap_run(tmp_path_factory):
-    """(losses, each rank's trace, each rank's audit) of the 2bw run with the flag."""
+    """(losses, each rank's trace, each rank's audit, the checkpoint saved at SAVED_AT) of the 2bw
+    run with the flag."""
     tmp_path = tmp_path_factory.mktemp("combined_steps")
-    directory = tmp_path / "audit"
-    proc, metrics = run(tmp_path, "overlap", 4, FLAGS + OVERLAP, module="tests.support.combined_step_trace",
+    directory, ckpt = tmp_path / "audit", tmp_path / "ckpt"
+    proc, metrics = run(tmp_path, "overlap", 4,
+                        FLAGS + OVERLAP + ["--save", str(ckpt), "--save-interval", str(SAVED_AT)],
+                        module="tests.support.combined_step_trace",
                         env={"MEGATRON_ASYNC_AUDIT_DIR": str(directory), "MEGATRON_ASYNC_AUDIT_INJECT": "0"})
     assert proc.returncode == 0, proc.stdout[-4000:]
     traces = [json.loads((directory / f"trace_rank{r}.json").read_text()) for r in range(4)]
     audits = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(4)]
-    return logged_losses(metrics), traces, audits
+    return logged_losses(metrics), traces, audits, ckpt
 
 
-def test_2bw_with_the_ep_overlap_equals_its_twin(overlap_run, tmp_path):
-    found, _, _ = overlap_run
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    """The losses of synchronous training at the twin's layout: the comparisons' control."""
+    return losses(tmp_path_factory.mktemp("combined_steps_sync"), "sync", 2, FLAGS)
+
+
+def test_2bw_with_the_ep_overlap_equals_its_twin(overlap_run, sync_run, tmp_path):
+    found = overlap_run[0]
     assert len(found) == ITERS
     twin = losses(tmp_path, "twin", 2, FLAGS + TWIN)
     assert_same(found, twin, BF16_RTOL)
-    sync = losses(tmp_path, "sync", 2, FLAGS)  # control: the comparison tells another trajectory
-    with pytest.raises(AssertionError):
-        assert_same(found, sync, BF16_RTOL)
+    with pytest.raises(AssertionError):  # control: the comparison tells another trajectory
+        assert_same(found, sync_run, BF16_RTOL)
+
+
+def test_2bw_with_the_ep_overlap_resumes_bit_for_bit(overlap_run, sync_run, tmp_path):
+    """Resumed at SAVED_AT with the flag (the stash, the RNG and the warm-up of the next batch
+    rebuilt from the checkpoint): the uninterrupted run's losses, to the last bit."""
+    found, ckpt = overlap_run[0], overlap_run[3]
+    proc, metrics = run(tmp_path, "resumed", 4, FLAGS + OVERLAP + ["--load", str(ckpt), "--ckpt-step", str(SAVED_AT)])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    resumed = logged_losses(metrics)
+    assert len(resumed) == ITERS - SAVED_AT, resumed
+    assert resumed == found[SAVED_AT:], (resumed, found[SAVED_AT:])
+    assert resumed != sync_run[SAVED_AT:]  # control: a resume onto another trajectory is told apart
 
 
 def test_2bw_with_the_ep_overlap_and_layer_wise_muon_ef_equals_its_twin(tmp_path):
@@ -96,8 +125,9 @@ def _listed(stage: int, m: int) -> list[tuple]:
 
 
 def test_each_node_runs_at_its_own_version_and_each_forward_all_to_all_between_the_other_half(overlap_run):
-    _, traces, _ = overlap_run
+    traces = overlap_run[1]
     mixed = forward_all_to_alls = 0
+    outside_reads = set()  # (node, module) where a layer's node reads a module outside its layer
     for trace in traces:
         m, steps = trace["microbatches"], _steps(trace["events"])
         # every pass of the lists ran through the combined step, every listed pair as one step
@@ -107,6 +137,12 @@ def test_each_node_runs_at_its_own_version_and_each_forward_all_to_all_between_t
             # each node at its own microbatch's version (by the microbatch's index, not the action)
             wrong = [e for e in nodes if e[4] != version_2bw(e[2], m)]
             assert not wrong, wrong[:5]
+            # what each node's forward read: at that version, and among the weights the node points
+            reads = [e for e in events if e[0] == "read"]
+            wrong = [e for e in reads if e[4] != version_2bw(e[1], m) or not e[5]]
+            assert not wrong, wrong[:5]
+            outside_reads |= {(e[2].split()[-1], e[3]) for e in reads
+                              if e[2].startswith("layer") and ".layers." not in e[3]}
             assert {e[2] for e in nodes} == {k for k in (f, b) if k is not None}
             if f is None or b is None:
                 continue
@@ -122,10 +158,13 @@ def test_each_node_runs_at_its_own_version_and_each_forward_all_to_all_between_t
                     (f, b), events)
     assert mixed > 0, "no combined step with halves at different versions ran"
     assert forward_all_to_alls > 0
+    # the read the nodes' lists must hold beyond their layer's weights: the last layer's combine
+    # node applies the decoder's final norm
+    assert outside_reads == {("moe_combine", "decoder.final_layernorm")}, outside_reads
 
 
 def test_no_collective_spans_two_stages_with_the_ep_overlap(overlap_run):
-    _, _, audits = overlap_run
+    audits = overlap_run[2]
     stage = {r["rank"]: r["stage"] for r in audits}
     assert all(r["steps"] == ITERS for r in audits), [r["steps"] for r in audits]
     crossing = [(r["rank"], name, group) for r in audits for name, group, *timing in r["records"]

@@ -84,6 +84,21 @@ def _wrap_collective(name: str, original):
     return recorded
 
 
+def unrecorded(original):
+    """`original` with the audit paused while it runs: a checkpoint save, where every rank meets
+    by design, is no part of the steady state the audit checks."""
+
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        recording, _STATE["recording"] = _STATE["recording"], False
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _STATE["recording"] = recording
+
+    return run
+
+
 def _wrap_train_step(original):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
