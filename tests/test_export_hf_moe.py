@@ -3,12 +3,17 @@
 The layer of examples/moe_10b at reduced width (RoPE with its --rotary-base, RMSNorm,
 SwiGLU experts, QK-norm, top-2 of 4 experts with the aux loss, no biases, untied),
 2bw at PP=2 with the experts spread over EP=2 (4 ranks, DP=2), saved as torch_dist: read
-back at one stage with every expert under its global number. Exported, its loss on the
-tokens of Megatron's evaluation equals the logged validation loss, 1e-4 relative.
-Controls, each outside that: the 2bw stash's W(T-1) exported instead of the live W(T), and
-the live weights with every layer's experts rolled by one place against the router.
-Router settings Qwen3-MoE does not compute are refused naming the flag; the
-multi-token-prediction layers are left out with one line saying so.
+back at one stage, a layer at a time, with every expert under its global number. Exported
+in safetensors shards with their index (each tensor once, each file within the size), its
+loss on the tokens of Megatron's evaluation (every window of the held-out split) equals the
+logged validation loss, 1e-4 relative. Controls, each outside that: the 2bw stash's W(T-1)
+exported instead of the live W(T), and the live weights with every layer's experts rolled
+by one place against the router. lm-eval's word perplexity agrees with the validation loss
+as for the dense model (tests/test_export_hf.py). The export holds no earlier group when it
+reads the next (control: one that keeps them). A bf16 checkpoint saved with a GPU run's
+arguments exports every weight bitwise. Router settings Qwen3-MoE does not compute are
+refused naming the flag; the multi-token-prediction layers are left out with one line
+saying so.
 """
 
 import json
