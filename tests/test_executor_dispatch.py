@@ -82,17 +82,17 @@ def test_an_evaluation_leaves_the_model_in_train_mode_however_it_ends(fails, mon
     seen = {}
 
     class FakeExecutor:
-        def __init__(self, context, actions, events=None, stream=None):
+        def __init__(self, context, actions):
             self.model = context.model
-            seen.update(actions=list(actions), forward_only=events is None)
+            seen.update(actions=list(actions), forward_only=True)
 
-        def run_forward_only(self, data_for):
+        def run(self, data_for):
             seen["training"] = self.model.training
             if fails:
                 raise RuntimeError("a forward failed")
             return ["report"]
 
-    monkeypatch.setattr(two_bw, "StageExecutor", FakeExecutor)
+    monkeypatch.setattr(two_bw, "ForwardOnlyExecutor", FakeExecutor)
     runner = object.__new__(two_bw.TwoBWRunner)
     runner.model = torch.nn.Linear(2, 2)
     runner.stash = type("Stash", (), {"newest": 3})()
@@ -123,3 +123,36 @@ def test_a_combined_step_without_the_flag_stops_naming_it(monkeypatch):
         e.train_step(0, None)
     first = next(i for i, a in enumerate(lists[0]) if isinstance(a, ForwardBackward))
     assert ran == [a for a in lists[0][:first] if isinstance(a, Forward)]
+
+
+@pytest.mark.parametrize("name", ["forward-only", "1f1b"])
+def test_a_forward_only_pass_stops_at_a_backward_or_a_step(name, monkeypatch):
+    """An evaluation's executor runs its forwards and refuses what would train. Control: its
+    own forward-only list runs to its end, each forward unhooked and kept for no backward."""
+    import contextlib
+
+    import torch
+
+    from megatron_async.pipeline import executor as ex
+    from megatron_async.pipeline.p2p import StageLinks
+    from megatron_async.pipeline.stage_context import StageContext
+    from megatron_async.schedules.gen_forward_only import forward_only
+
+    p, m = 2, 4
+    lists = forward_only(p, m, 0) if name == "forward-only" else generate("1f1b", p, m, 1)
+    monkeypatch.setattr(ex, "post_run", lambda run, *_: ({("act", a.microbatch): torch.zeros(1) for a in run
+                                                           if isinstance(a, RecvActivation)}, []))
+    monkeypatch.setattr(ex, "get_model_config", lambda model: None)
+    monkeypatch.setattr(ex.schedules, "forward_step", lambda *a, **k: (torch.zeros(1), None))
+    hooked = []
+    stash = SimpleNamespace(use=lambda version, hooks: hooked.append(hooks) or contextlib.nullcontext())
+    context = StageContext(None, StageLinks(1, p, None, None, None), stash, None, m, None, None, None,
+                           ONE_RANK_GROUPS)
+    e = ex.ForwardOnlyExecutor(context, lists[1])
+    monkeypatch.setattr(e, "drain", lambda: None)
+    if name == "1f1b":
+        with pytest.raises(ScheduleError, match=r"stage 1: Backward\(.* in a forward-only pass"):
+            e.run(lambda k: None)
+        return
+    assert e.run(lambda k: None) == []
+    assert hooked == [False] * m and e.forwards == m and e._inflight == {}

@@ -63,11 +63,11 @@ def _no_data(k: int) -> Iterator:
 class StageExecutor:
     """Runs a stage's actions for a whole training run, one optimizer step at a time."""
 
-    def __init__(self, context: StageContext, actions: Iterable, events: Optional[StageEvents] = None, stream=None):
+    def __init__(self, context: StageContext, actions: Iterable, events: Optional[StageEvents], stream=None):
         """`actions`: this stage's list, consumed as it runs (a lazy stream for long runs).
-        `events`: the owner a training run calls at its optimizer steps and batch edges;
-        None: an evaluation pass (forward only). `stream` (a TwoBWStream): the run's first and
-        last step and the previous stage's segments, read by `train_step` and `finish`."""
+        `events`: the owner a training run calls at its optimizer steps and batch edges.
+        `stream` (a TwoBWStream): the run's first and last step and the previous stage's
+        segments, read by `train_step` and `finish`."""
         model, links = context.model, context.links
         self.context = context
         self.model = model
@@ -78,7 +78,6 @@ class StageExecutor:
         self.last_step: Optional[int] = None  # the last OptimizerStep run
         self.first_step = stream.first if stream is not None else 0  # a resumed run starts later
         self.events = events
-        self.forward_only = events is None  # an evaluation pass: no backward follows, no activation is kept
         self.forwards = 0
         self.links = links
         self.stash = context.stash
@@ -97,9 +96,14 @@ class StageExecutor:
         self._drained: set = set()  # microbatches whose activation drain() received early
         self._fused: dict = {}  # hooked microbatch -> its fused weights (stash/fused_wgrad.py)
         self.pending_sends = PendingSends(self.m)
-        # --overlap-moe-expert-parallel-comm: every pass through Megatron's combined step (combined_step.py)
-        self.combined = (CombinedSteps(model, self.stash, context.forward_step_func, self.config)
-                         if context.combined_steps and not self.forward_only else None)
+        self.combined = self._combined_steps(context)
+
+    def _combined_steps(self, context: StageContext) -> Optional[CombinedSteps]:
+        """With --overlap-moe-expert-parallel-comm: every pass through Megatron's combined step
+        (combined_step.py); None: each pass through its forward and backward steps."""
+        if not context.combined_steps:
+            return None
+        return CombinedSteps(self.model, self.stash, context.forward_step_func, self.config)
 
     # --- compute ---------------------------------------------------------------
     # Megatron's own per-microbatch steps (megatron.core.pipeline_parallel.schedules),
@@ -110,8 +114,8 @@ class StageExecutor:
         """A forward's inputs, taken from what the stage received, and the batch-edge event."""
         k = action.microbatch
         self.forwards += 1
-        if self.events is not None and k % self.m == 0:
-            self.events.batch_started(k // self.m)
+        if k % self.m == 0:
+            self._batch_started(k // self.m)
         input_tensor = None
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
@@ -120,17 +124,25 @@ class StageExecutor:
         # guard fires at once. By the microbatch's index, not this process's first forward:
         # a resumed run then hooks exactly the forwards the uninterrupted run hooked (with
         # tied embeddings and MTP a hooked forward's backward rounds differently).
-        hooks = not self.forward_only and (k // self.m > self.next_step or k == 0)
+        hooks = self._hooked(k)
         return ForwardHalf(k, action.version, hooks, input_tensor, data_for(k),
                            self._reports.setdefault(k // self.m, []), self.m)
+
+    def _batch_started(self, batch: int) -> None:
+        self.events.batch_started(batch)
+
+    def _hooked(self, k: int) -> bool:
+        return k // self.m > self.next_step or k == 0
 
     def _forward_done(self, half: ForwardHalf, output) -> None:
         if not self.is_last:
             self._outgoing[("act", half.microbatch)] = output.detach()
             # keeps only the autograd graph; the sent copy's storage lives until its send retires
             schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
-        if not self.forward_only:
-            self._inflight[half.microbatch] = (half.input_tensor, output)
+        self._keep_for_backward(half, output)
+
+    def _keep_for_backward(self, half: ForwardHalf, output) -> None:
+        self._inflight[half.microbatch] = (half.input_tensor, output)
 
     def _forward(self, action: Forward, data_for: DataFor) -> None:
         half = self._forward_half(action, data_for)
@@ -193,9 +205,12 @@ class StageExecutor:
         return self.first_step if self.last_step is None else self.last_step + 1
 
     def _optimizer_step(self, action: OptimizerStep):
-        if self.events is None:
-            raise ScheduleError(f"stage {self.links.stage}: {action!r} in a forward-only pass")
         return self.events.optimizer_step(action.step)
+
+    def _batch_sent(self, run: list) -> None:
+        for a in run:
+            if isinstance(a, SendActivation) and a.microbatch % self.m == self.m - 1:
+                self.events.batch_sent(a.microbatch // self.m)
 
     # --- driver ----------------------------------------------------------------
     def _peek(self):
@@ -227,10 +242,7 @@ class StageExecutor:
                 received, sends = post_run(run, self.links, self._outgoing, self.shape, self.dtype, self.device)
                 self._received.update(received)
                 self.pending_sends.add(sends)
-                if self.events is not None:
-                    for a in run:
-                        if isinstance(a, SendActivation) and a.microbatch % self.m == self.m - 1:
-                            self.events.batch_sent(a.microbatch // self.m)
+                self._batch_sent(run)
                 continue
             if getattr(action, "chunk", 0) != 0:  # this stage holds one piece of the model, chunk 0
                 raise ScheduleError(f"stage {self.links.stage}: {action!r} runs model chunk {action.chunk}, "
@@ -307,13 +319,6 @@ class StageExecutor:
             self._received.update(got)
             self._drained.update(a.microbatch for a in missing)
 
-    def run_forward_only(self, data_for: DataFor) -> list:
-        """Run a forward-only list to its end and wait for its sends; the loss reports
-        (last stage) of its microbatches, in order."""
-        self._run_until(None, data_for)
-        self.drain()
-        return [report for batch in sorted(self._reports) for report in self._reports[batch]]
-
     def drain(self) -> None:
         """Match every send still outstanding, between two training steps.
 
@@ -334,3 +339,47 @@ class StageExecutor:
         if self.last_step is not None and self.last_step == self.final_step:
             self._run_until(None, _no_data)
         self.drain()
+
+
+class ForwardOnlyExecutor(StageExecutor):
+    """An evaluation pass: a forward-only list (schedules/gen_forward_only.py) at one weight
+    version, run to its end between two training steps. No backward follows, so no
+    activation is kept, no saved-tensor hook is set and no owner is told of batch edges; a
+    backward or an optimizer step in its list stops it."""
+
+    def __init__(self, context: StageContext, actions: Iterable):
+        super().__init__(context, actions, None)
+
+    def run(self, data_for: DataFor) -> list:
+        """Run the list to its end and wait for its sends; the loss reports (last stage) of
+        its microbatches, in order."""
+        self._run_until(None, data_for)
+        self.drain()
+        return [report for batch in sorted(self._reports) for report in self._reports[batch]]
+
+    def _combined_steps(self, context: StageContext) -> None:
+        return None
+
+    def _batch_started(self, batch: int) -> None:
+        pass
+
+    def _batch_sent(self, run: list) -> None:
+        pass
+
+    def _hooked(self, k: int) -> bool:
+        return False
+
+    def _keep_for_backward(self, half: ForwardHalf, output) -> None:
+        pass
+
+    def _refuse(self, action) -> None:
+        raise ScheduleError(f"stage {self.links.stage}: {action!r} in a forward-only pass")
+
+    def _backward(self, action: Backward) -> None:
+        self._refuse(action)
+
+    def _forward_backward(self, action: ForwardBackward, data_for: DataFor) -> None:
+        self._refuse(action)
+
+    def _optimizer_step(self, action: OptimizerStep):
+        self._refuse(action)

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from megatron_async.pipeline.executor import DataFor, StageEvents, StageExecutor
+from megatron_async.pipeline.executor import DataFor, ForwardOnlyExecutor, StageEvents, StageExecutor
 from megatron_async.pipeline.non_finite import LossFlag, check_finite, report_losses
 from megatron_async.pipeline.p2p import duplicate_pipeline_group, first_last_group, stage_links
 from megatron_async.pipeline.stage_context import StageContext
@@ -142,11 +142,11 @@ class TwoBWRunner(StageEvents):
             return []
         links = self.eval_links
         actions = forward_only(links.num_stages, len(data), self.stash.newest)[links.stage]
-        evaluation = StageExecutor(dataclasses.replace(self.context, links=links, num_microbatches=len(data)),
-                                   actions)
+        evaluation = ForwardOnlyExecutor(dataclasses.replace(self.context, links=links, num_microbatches=len(data)),
+                                         actions)
         self.model.eval()
         try:
-            return evaluation.run_forward_only(data.__getitem__)
+            return evaluation.run(data.__getitem__)
         finally:
             self.model.train()
 
