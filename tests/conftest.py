@@ -20,6 +20,22 @@ def module_text(name: str) -> str:
     return "\n\n".join(p for p in parts if p.strip())
 
 
+# The modules that take longest, longest first (`make test PYTEST_ARGS=--durations=0`, summed per
+# module): `make test` gives each of its two workers a whole module at a time in collection order,
+# so long modules collected last leave one worker alone at the end. Only the order changes.
+LONGEST_FIRST = ["test_cluster_files", "test_megatron_loop", "test_long_runs", "test_twin_matrix_across_ranks",
+                 "test_twin_matrix", "test_checkpoint_formats", "test_checkpoint_guard", "test_bench_smoke",
+                 "test_combined_steps_in_megatron_loop", "test_export_hf_moe", "test_muon", "test_patches",
+                 "test_tied_embeddings", "test_refusals", "test_more_corrections", "test_two_bw",
+                 "test_delay_correction"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """LONGEST_FIRST's modules first, each module's tests in their own order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """End the forkserver this pytest process started for its ranks (the quick run's, each
     xdist worker's): left to itself it outlives pytest by seconds, holding about 1 GB
