@@ -12,7 +12,10 @@
   (and not in 10 GB: the check can fail); it counts 2bw's held send buffers (the
   replay of megatron_async/planning/send_buffers.py for the configuration's p and m, x the tensor
   size from its flags) and the stash's clone during a save, and a GPU that holds the
-  training peak but not the save's fails the check;
+  training peak but not the save's fails the check; the config sets
+  --overlap-moe-expert-parallel-comm (its Slurm dry run passes the plugin's checks of it),
+  and the plan counts the activations and sends of 2bw's combined-step lists, the deeper
+  warm-up (control: more than the plain lists' p - s);
 - the SmolLM-360M config (examples/smollm_360m): its plan's parameter count equals the
   closed form (361.82M, the published size), the tied copy counted once; the plan counts
   the tied-embedding link's buffers; its Slurm dry run passes our checks and Megatron's.
@@ -82,7 +85,7 @@ def test_slurm_dry_run_prints_and_checks_the_rank_command(tmp_path):
     command = lines[1]
     assert command.startswith(f"{sys.executable} /workspace/megatron-lm/pretrain_gpt.py ")
     for flag in ("--pipeline-schedule 2bw", "--optimizer muon", "--delay-correction ef", "--num-experts 64",
-                 f"--load {tmp_path}/checkpoints"):
+                 "--overlap-moe-expert-parallel-comm", f"--load {tmp_path}/checkpoints"):
         assert flag in command, flag
     assert lines[-1].startswith("ok: ") and "world size 32" in lines[-1]
 
@@ -139,7 +142,9 @@ def test_moe_10b_plan_counts_send_buffers_and_the_save(moe_plan):
     plan, stdout = moe_plan
     m = 512 // (1 * 8)  # flags.sh: global batch / (micro batch x data-parallel size)
     tensor = 4096 * 1 * 2048 * 2  # flags.sh: sequence x micro batch x hidden, bf16
-    for stage, peak, timed in zip(plan["stages"], stage_peaks(4, m), stage_peaks_on_completion(4, m), strict=True):
+    # --overlap-moe-expert-parallel-comm: the combined-step lists' sends
+    peaks, timed_peaks = stage_peaks(4, m, paired=True), stage_peaks_on_completion(4, m, paired=True)
+    for stage, peak, timed in zip(plan["stages"], peaks, timed_peaks, strict=True):
         assert stage["p2p"] == {**vars(peak), "tensor_bytes": tensor, "sends_on_completion": timed.sends}
         assert timed.sends < peak.sends  # NCCL's completed sends retire early; the budget keeps the bound
         assert stage["memory_gb"]["p2p_buffers"] == pytest.approx(peak.buffers * tensor / 2**30)
@@ -153,6 +158,21 @@ def test_moe_10b_plan_counts_send_buffers_and_the_save(moe_plan):
                    "total GB during a save"):
         assert column in stdout
     assert "stage 1 p2p_buffers: at most" in stdout
+
+
+def test_moe_10b_plan_counts_the_deeper_warm_up(moe_plan):
+    """With --overlap-moe-expert-parallel-comm the plan holds each stage's microbatches in flight
+    as the validator's replay of 2bw's combined-step lists finds them, and prints them; control:
+    more than the plain lists' p - s on every stage."""
+    from megatron_async.schedules.gen_2bw_paired import two_bw_paired
+    from megatron_async.schedules.validator import validate
+
+    plan, stdout = moe_plan
+    in_flight = [stage["in_flight"] for stage in plan["stages"]]
+    assert in_flight == validate(two_bw_paired(4, 512 // 8, 2)).max_inflight_microbatches
+    assert all(n > 4 - s for s, n in enumerate(in_flight)), in_flight
+    assert (f"activations: {', '.join(map(str, in_flight))} microbatches in flight on stages 0..3 (2bw's deeper "
+            "warm-up") in stdout
 
 
 def test_moe_10b_plan_fits_a_gpu_that_holds_the_training_peak(moe_plan):

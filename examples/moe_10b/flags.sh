@@ -30,6 +30,11 @@ PARALLEL_ARGS=(
   --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --tensor-model-parallel-size 1
   --pipeline-model-parallel-layout "Et*6|t*6|t*7|t*5L"   # the planner's split: 6, 6, 7, 5 + output layer
   --pipeline-schedule 2bw                       # no flush, two weight versions, one-step delay
+  --overlap-moe-expert-parallel-comm            # each expert all-to-all behind the other microbatch's compute:
+                                                # Megatron's combined step, 2bw's deeper warm-up (twice the
+                                                # activations on stage 0; plan.sh counts them). Projected
+                                                # 1.23x of 2bw without it on a GPU-bound host, equal on a
+                                                # host-bound one (docs/benchmarks.md, the overlaps section)
   --use-distributed-optimizer                   # with Muon: Megatron's layer-wise distributed optimizer
   --bf16
 )

@@ -318,7 +318,7 @@ def plan(args) -> list[dict]:
         save_gpu, save_host = 0, memory["stash"]  # state_dict() streams every stash slot to the host
         total = sum(memory.values())
         tied_copy = args.padded_vocab_size * args.hidden_size if tied and last and not first else 0
-        rows.append({"stage": stage, "layers": per_stage[stage],
+        rows.append({"stage": stage, "layers": per_stage[stage], "in_flight": in_flight[stage],
                      "stage_params": counts["dense"] + counts["expert"],
                      "stage_expert_params": counts["expert"], "gpu_params": gpu,
                      "tied_copy_params": tied_copy,  # the last stage's copy of the tied embeddings
@@ -413,6 +413,10 @@ def main(argv=None) -> int:
           f"PP={args.pipeline_model_parallel_size} TP={args.tensor_model_parallel_size} "
           f"EP={args.expert_model_parallel_size} DP={args.data_parallel_size} on {ns.world_size} GPUs")
     _print_table(rows)
+    warm_up = (" (2bw's deeper warm-up for --overlap-moe-expert-parallel-comm's combined steps)"
+               if uses_combined_steps(args) else "")
+    print(f"activations: {', '.join(str(r['in_flight']) for r in rows)} microbatches in flight on stages "
+          f"0..{len(rows) - 1}{warm_up}")
     found = balance(args, rows)
     _print_balance(found)
     from megatron_async.megatron_lm.safety.save_space import bytes_per_parameter
