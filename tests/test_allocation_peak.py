@@ -62,5 +62,7 @@ def test_the_moe_stage_keeps_its_microbatches_under_a_shape_override_and_refuses
     assert (flags.value("--micro-batch-size"), flags.value("--global-batch-size"), flags.value("--seq-length")) \
         == ("2", "16", "2048")
     assert flags.value("--recompute-granularity") == "selective"
+    # the config's EP overlap has no all-to-all in the one-GPU fold (EP=1), which Megatron refuses
+    assert "--overlap-moe-expert-parallel-comm" in config and "--overlap-moe-expert-parallel-comm" not in flags.argv()
     with pytest.raises(SystemExit, match="--recompute-granularity"):
         stage_flags(config, 7, overrides=("--recompute-granularity=full",), **kw)
