@@ -1,4 +1,4 @@
-"""The overlaps 2bw refuses, priced by the projection (bench/throughput/project.py --overlaps).
+"""Megatron's overlaps against 2bw, priced by the projection (bench/throughput/project.py --overlaps).
 
 For the 10B MoE and SmolLM-360M, Megatron's 1F1B and interleaved 1F1B get rows with CUDA
 graphs and (MoE only) the EP all-to-all overlap of the combined step, at the split of the

@@ -20,12 +20,13 @@ waits from the same action lists the runtime uses. This module supplies the cost
   to issue its operators (the operators a layer dispatches, counted by
   bench/throughput/host_time.py, at a stated host time each), unless CUDA graphs replay it.
 
-The overlaps 2BW refuses are priced against 2BW without them (`overlap_rows`, `--overlaps`):
+Megatron's overlaps are priced against 2BW with and without them (`overlap_rows`, `--overlaps`):
 Megatron's interleaved 1F1B with the EP all-to-all overlap of its combined forward-backward
 step (`--overlap-moe-expert-parallel-comm`, which Megatron runs only with virtual stages at
-PP > 1), and 1F1B and interleaved 1F1B with CUDA graphs (`--cuda-graph-impl`). The EP overlap
-is simulated on each schedule's own lists with combined steps (2bw's with the deeper warm-up
-of schedules/gen_2bw_paired.py), each step priced at what it costs (`StageCosts.pair`).
+PP > 1, and 2BW's runtime on its own combined-step lists), and 1F1B and interleaved 1F1B with
+CUDA graphs (`--cuda-graph-impl`, which 2BW refuses). The EP overlap is simulated on each
+schedule's own lists with combined steps (2bw's with the deeper warm-up of
+schedules/gen_2bw_paired.py), each step priced at what it costs (`StageCosts.pair`).
 
 Validation on CPU: `predict_cpu` turns per-stage costs measured on this machine
 (bench/throughput/stage_costs.py) into the s / microbatch of each configuration of
@@ -308,8 +309,8 @@ def project(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mbs: in
     return rows
 
 
-# the overlaps 2BW refuses: schedule row name -> (Megatron's schedule, EP all-to-all overlap, CUDA graphs,
-# a split finer than whole layers)
+# Megatron's schedules with their overlaps: schedule row name -> (Megatron's schedule, EP all-to-all overlap,
+# CUDA graphs, a split finer than whole layers)
 OVERLAPPED = {
     "1f1b+cuda-graphs": ("1f1b", False, True, False),
     "interleaved-1f1b+cuda-graphs": ("interleaved-1f1b", False, True, False),
@@ -351,7 +352,7 @@ def overlap_rows(model: Model, cluster: Cluster, pps=(4, 8, 16), dp: int = 8, mb
                  optimizer: str = "muon", configured_m: int = CONFIGURED_M,
                  host_s_per_op: float = HOST_S_PER_OP) -> list[dict]:
     """`project`'s rows, then for each of its Megatron rows the same schedule at the same
-    split with the overlaps 2BW refuses (OVERLAPPED; the EP overlap for MoE models only),
+    split with Megatron's overlaps (OVERLAPPED; the EP overlap for MoE models only),
     and for its 2BW rows the same overlaps under 2BW (WIN_BACK; `implemented`: the EP overlap alone):
     tokens/s per GPU and `over_base`, the speed-up over the schedule without them. With the
     EP overlap a schedule runs its lists with combined steps (`simulate_config`); 2BW's need
@@ -388,7 +389,7 @@ def fastest(rows: list[dict], schedule: str, pp: int, m: int) -> dict | None:
 
 
 def overlap_report(rows: list[dict]) -> str:
-    """2BW without the overlaps it refuses against Megatron's schedules with them, each at
+    """2BW without the overlaps against Megatron's schedules with them, each at
     its faster split (tokens/s per GPU), 2BW over the fastest of them; for an MoE, 2BW with
     the EP overlap (its combined-step lists, which its runtime trains) over the same;
     and where 2BW's lead is below 1, each of the same overlaps under 2BW (the EP overlap, and
@@ -513,7 +514,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--host-us-per-op", type=float, default=HOST_S_PER_OP * 1e6,
                     help="host time per operator a layer dispatches, in microseconds (ASSUMPTIONS['host'])")
     ap.add_argument("--overlaps", action="store_true",
-                    help="the overlaps 2BW refuses, priced: Megatron's schedules with them against 2BW without")
+                    help="Megatron's overlaps, priced: Megatron's schedules with them against 2BW without them "
+                         "and with the EP overlap")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--region", metavar="THROUGHPUT_JSON",
