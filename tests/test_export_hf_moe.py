@@ -9,7 +9,9 @@ loss on the tokens of Megatron's evaluation (every window of the held-out split)
 logged validation loss, 1e-4 relative. Controls, each outside that: the 2bw stash's W(T-1)
 exported instead of the live W(T), and the live weights with every layer's experts rolled
 by one place against the router. lm-eval's word perplexity agrees with the validation loss
-as for the dense model (tests/test_export_hf.py). The export holds no earlier group when it
+as for the dense model (tests/test_export_hf.py). The same layer at 3 layers split 2 + 1
+over the stages, saved as --ckpt-format torch (a file per pipeline and expert rank), exports
+with the logged validation loss too (control: the experts rolled). The export holds no earlier group when it
 reads the next (control: one that keeps them). A bf16 checkpoint saved with a GPU run's
 arguments exports every weight bitwise. Router settings Qwen3-MoE does not compute are
 refused naming the flag; the multi-token-prediction layers are left out with one line
@@ -87,6 +89,36 @@ def test_an_moe_run_exports_as_qwen3_moe_with_megatrons_loss_and_the_controls_do
     (live, older), (permuted, _) = result["losses"], result["permuted_experts"]
     assert abs(live - run["val_loss"]) <= RTOL * run["val_loss"], (live, run["val_loss"])
     assert abs(older - run["val_loss"]) > RTOL * run["val_loss"], (older, run["val_loss"])
+    assert abs(permuted - run["val_loss"]) > RTOL * run["val_loss"], (permuted, run["val_loss"])
+
+
+# the layer at 3 layers split 2 + 1 over the two stages, saved as each rank's own file
+UNEVEN = [*MOE[:MOE.index("--num-layers")], "--num-layers", "3", *MOE[MOE.index("--num-layers") + 2:]]
+
+
+@pytest.fixture(scope="module")
+def torch_format_run(tmp_path_factory, small_corpus):
+    """The run at 3 layers, 2 on the first stage, saved with --ckpt-format torch."""
+    done = train(tmp_path_factory.mktemp("moe_torch_run"), small_corpus, UNEVEN,
+                 ["--decoder-first-pipeline-num-layers", "2", "--ckpt-format", "torch", "--train-iters", str(ITERS)],
+                 eval_iters=whole_split_eval_iters(small_corpus), nproc=4)
+    return {**done, "iteration": done["ckpt"] / f"iter_{ITERS:07d}"}
+
+
+def test_a_torch_format_run_split_unevenly_over_expert_and_pipeline_ranks_exports_with_megatrons_loss(
+        torch_format_run, tmp_path):
+    """Every expert rank's file of each stage read at the saved layout (experts under their
+    global numbers, layers at the uneven split's offsets). Control: the experts rolled by one."""
+    run, out = torch_format_run, tmp_path / "hf"
+    files = sorted(p.name for p in run["iteration"].iterdir() if p.name.startswith("mp_rank_"))
+    assert files == ["mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"], files
+    proc = export_cli(run["ckpt"], out)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "as Qwen3MoeForCausalLM" in proc.stdout, proc.stdout[-2000:]
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
+    result = hf_losses(tmp_path, run["iteration"], out, extra=["--permute-experts"])
+    (live,), (permuted,) = result["losses"], result["permuted_experts"]
+    assert abs(live - run["val_loss"]) <= RTOL * run["val_loss"], (live, run["val_loss"])
     assert abs(permuted - run["val_loss"]) > RTOL * run["val_loss"], (permuted, run["val_loss"])
 
 

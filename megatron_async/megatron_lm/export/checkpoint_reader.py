@@ -67,19 +67,20 @@ def _torch_dist_files(directory: str) -> None:
 
 
 def _torch_files(directory: str, args) -> None:
-    """Every model-parallel rank's file of the saved layout is there."""
+    """Every model-parallel rank's file of the saved layout is there (one per expert rank too)."""
     from megatron.training.checkpointing import get_checkpoint_name
 
     root, name = os.path.split(directory)
     iteration = 0 if name == "release" else int(name.split("_")[-1])
-    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    pp, tp, ep = args.pipeline_model_parallel_size, args.tensor_model_parallel_size, args.expert_model_parallel_size
     for p in range(pp):
         for t in range(tp):
-            path = get_checkpoint_name(root, iteration, release=name == "release", pipeline_parallel=pp > 1,
-                                       tensor_rank=t, pipeline_rank=p, expert_parallel=False, expert_rank=0)
-            if not os.path.isfile(path):
-                raise ExportError(f"--load: {directory} is torn: {os.path.relpath(path, directory)} is missing "
-                                  f"(saved at TP={tp} PP={pp})")
+            for e in range(ep):
+                path = get_checkpoint_name(root, iteration, release=name == "release", pipeline_parallel=pp > 1,
+                                           tensor_rank=t, pipeline_rank=p, expert_parallel=ep > 1, expert_rank=e)
+                if not os.path.isfile(path):
+                    raise ExportError(f"--load: {directory} is torn: {os.path.relpath(path, directory)} is missing "
+                                      f"(saved at TP={tp} PP={pp}{f' EP={ep}' if ep > 1 else ''})")
 
 
 def is_torch_dist(directory: str) -> bool:

@@ -51,8 +51,7 @@ def layout_args(args):
         local = {k: v for k, v in LOCAL.items() if k != "transformer_impl"}
     for key, value in local.items():
         setattr(args, key, value)
-    args.expert_model_parallel_size = 1
-    args.context_parallel_size = 1
+    args.context_parallel_size = 1  # each context-parallel rank holds the same weights
     return args
 
 
@@ -73,7 +72,8 @@ def model_config(args):
     return config
 
 
-def start_process_group(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual: int | None = None) -> None:
+def start_process_group(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual: int | None = None,
+                        expert_parallel: int = 1) -> None:
     """torch.distributed and Megatron's model-parallel groups (one rank unless launched with more)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -85,7 +85,8 @@ def start_process_group(tensor_parallel: int = 1, pipeline_parallel: int = 1, vi
         return
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel, virtual)
+    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel, virtual,
+                                             expert_model_parallel_size=expert_parallel)
     model_parallel_cuda_manual_seed(0)
 
 

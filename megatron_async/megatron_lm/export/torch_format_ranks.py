@@ -2,8 +2,9 @@
 re-saved as torch_dist.
 
 Each rank (forked from the exporting process, so Megatron is imported once) builds its model
-chunks at the saved TP / PP / VPP layout with Megatron's GPT builder, loads its own file as
-Megatron's loader does (`torch.load` of the file Megatron's `get_checkpoint_name` names,
+chunks at the saved TP / PP / VPP / EP layout with Megatron's GPT builder, loads its own file as
+Megatron's loader does (`torch.load` of the file Megatron's `get_checkpoint_name` names, one
+per expert-parallel rank when EP > 1, each holding its own experts,
 `model`/`modelN` into the chunks, strictly), and all ranks save the chunks' sharded state
 dict with `dist_checkpointing.save`: the torch_dist checkpoint that checkpoint_reader.py
 then reads as one stage. A refusal in a rank (an unreadable
@@ -26,15 +27,15 @@ def convert(directory: str, out: str) -> None:
 
     args = mm.layout_args(mm.saved_args(directory))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vpp = args.virtual_pipeline_model_parallel_size
-    mm.start_process_group(tp, pp, vpp)
+    vpp, ep = args.virtual_pipeline_model_parallel_size, args.expert_model_parallel_size
+    mm.start_process_group(tp, pp, vpp, ep)
     config = mm.model_config(args)
     chunks = [mm.build_model(config, vp_stage=v if vpp else None) for v in range(vpp or 1)]
     root, name = os.path.split(directory)
     path = get_checkpoint_name(root, 0 if name == "release" else int(name.split("_")[-1]), release=name == "release",
                                pipeline_parallel=pp > 1, tensor_rank=parallel_state.get_tensor_model_parallel_rank(),
-                               pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(), expert_parallel=False,
-                               expert_rank=0)
+                               pipeline_rank=parallel_state.get_pipeline_model_parallel_rank(), expert_parallel=ep > 1,
+                               expert_rank=parallel_state.get_expert_model_parallel_rank())
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - a file torch cannot read is a torn checkpoint
@@ -75,7 +76,7 @@ def to_torch_dist(directory: str, args, scratch: str) -> str:
     from megatron_async.megatron_lm.export import ExportError
 
     out = os.path.join(scratch, "torch_dist")
-    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
     try:
         torch.multiprocessing.start_processes(_rank, args=(world, directory, out, scratch), nprocs=world,
                                               join=True, start_method="fork")
