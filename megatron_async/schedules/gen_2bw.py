@@ -19,7 +19,7 @@ m >= p is sufficient, not tight, for this rule.)
 from __future__ import annotations
 
 from megatron_async.schedules.actions import Action, Backward, Forward, OptimizerStep
-from megatron_async.schedules.gen_common import add_communication, check_sizes, one_f_one_b
+from megatron_async.schedules.gen_common import add_communication, check_microbatch_bound, one_f_one_b
 
 
 def min_microbatches_2bw(num_stages: int) -> int:
@@ -32,15 +32,13 @@ def version_2bw(microbatch: int, microbatches: int) -> int:
 
 
 def two_bw(num_stages: int, microbatches: int, batches: int = 1) -> list[list[Action]]:
-    check_sizes(num_stages, microbatches, batches)
     bound = min_microbatches_2bw(num_stages)
-    if microbatches < bound:
-        raise ValueError(
-            f"2bw needs at least p-1 = {bound} microbatches per batch with {num_stages} pipeline "
-            f"stages (else batch b's first forward at stage 0 would need version b-1 before it "
-            f"exists), got m = {microbatches}; m = --global-batch-size / (--micro-batch-size * "
-            f"data-parallel size)"
-        )
+    check_microbatch_bound(
+        num_stages, microbatches, batches, bound,
+        f"2bw needs at least p-1 = {bound} microbatches per batch with {num_stages} pipeline "
+        f"stages (else batch b's first forward at stage 0 would need version b-1 before it "
+        f"exists), got m = {microbatches}; m = --global-batch-size / (--micro-batch-size * "
+        f"data-parallel size)")
     total = microbatches * batches
     compute = []
     for s in range(num_stages):

@@ -30,7 +30,7 @@ from typing import Callable
 
 from megatron_async.schedules.actions import Action, Backward, Forward, ForwardBackward, OptimizerStep
 from megatron_async.schedules.gen_2bw import version_2bw
-from megatron_async.schedules.gen_common import add_communication, check_sizes, one_f_one_b_paired
+from megatron_async.schedules.gen_common import add_communication, check_microbatch_bound, check_sizes, one_f_one_b_paired
 
 
 def warmup_2bw_paired(num_stages: int, stage: int) -> int:
@@ -71,14 +71,12 @@ def paired_2bw(num_stages: int, microbatches: int, batches: int,
 def two_bw_paired(num_stages: int, microbatches: int, batches: int = 1) -> list[list[Action]]:
     """The lists 2bw runs with --overlap-moe-expert-parallel-comm: the deeper warm-up,
     then combined steps (module docstring)."""
-    check_sizes(num_stages, microbatches, batches)
     bound = min_microbatches_2bw_paired(num_stages)
-    if microbatches < bound:
-        raise ValueError(
-            f"2bw with --overlap-moe-expert-parallel-comm needs at least 2p-1 = {bound} microbatches per batch "
-            f"with {num_stages} pipeline stages (--pipeline-model-parallel-size): stage 0 runs {bound} forwards "
-            f"before its first combined step, so batch b's first forward would need version b-1 before it "
-            f"exists; got m = {microbatches}. Raise --global-batch-size (m = --global-batch-size / "
-            f"(--micro-batch-size * data-parallel size)) or drop --overlap-moe-expert-parallel-comm"
-        )
+    check_microbatch_bound(
+        num_stages, microbatches, batches, bound,
+        f"2bw with --overlap-moe-expert-parallel-comm needs at least 2p-1 = {bound} microbatches per batch "
+        f"with {num_stages} pipeline stages (--pipeline-model-parallel-size): stage 0 runs {bound} forwards "
+        f"before its first combined step, so batch b's first forward would need version b-1 before it "
+        f"exists; got m = {microbatches}. Raise --global-batch-size (m = --global-batch-size / "
+        f"(--micro-batch-size * data-parallel size)) or drop --overlap-moe-expert-parallel-comm")
     return paired_2bw(num_stages, microbatches, batches, lambda s: warmup_2bw_paired(num_stages, s))

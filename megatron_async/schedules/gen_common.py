@@ -50,6 +50,14 @@ def check_sizes(num_stages: int, microbatches: int, batches: int) -> None:
             raise ValueError(f"number of {flag} must be a positive integer, got {value!r}")
 
 
+def check_microbatch_bound(num_stages: int, microbatches: int, batches: int, bound: int, refusal: str) -> None:
+    """The sizes checked, then the schedule's least microbatches per batch: `refusal` (naming
+    the flags) where there are fewer than `bound`."""
+    check_sizes(num_stages, microbatches, batches)
+    if microbatches < bound:
+        raise ValueError(refusal)
+
+
 def one_f_one_b(microbatches: Sequence[int], warmup: int) -> list[tuple[str, int]]:
     """1F1B order over `microbatches`: `warmup` forwards, then forward/backward pairs,
     then the remaining backwards. Entries are ("F" | "B", microbatch)."""
