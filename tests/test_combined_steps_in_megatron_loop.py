@@ -31,6 +31,7 @@ import json
 
 import pytest
 
+from megatron_async.cpu_nccl import EAGER_ENV
 from megatron_async.schedules.actions import Backward, Forward, ForwardBackward
 from megatron_async.schedules.gen_2bw import version_2bw
 from megatron_async.schedules.gen_2bw_paired import two_bw_paired
@@ -106,9 +107,12 @@ def test_2bw_with_the_ep_overlap_resumes_bit_for_bit(overlap_run, interleaved_ru
 
 def test_2bw_with_the_ep_overlap_and_layer_wise_muon_ef_equals_its_twin(tmp_path):
     """The same with Megatron's layer-wise Muon (the distributed optimizer) and EF: its gather
-    copies into the parameters' current storage, which the nodes point at their versions."""
+    copies into the parameters' current storage, which the nodes point at their versions. This
+    run models NCCL's eager communicators (one stream a group, operations complete in posting
+    order: megatron_async/cpu_nccl.py), the module's other runs its lazy ones (a pair's first
+    point-to-point operation blocks until its peer's): the combined steps' order holds in both."""
     muon = ["--optimizer", "muon", "--delay-correction", "ef"]
-    two_bw = losses(tmp_path, "overlap", 4, FLAGS + OVERLAP + muon)
+    two_bw = losses(tmp_path, "overlap", 4, FLAGS + OVERLAP + muon, env={EAGER_ENV: "1"})
     assert_same(two_bw, losses(tmp_path, "twin", 2, FLAGS + TWIN + muon), BF16_RTOL)
 
 
