@@ -536,3 +536,40 @@ def test_every_write_failure_is_the_same_refusal_and_a_defect_is_not(tmp_path, m
     with pytest.raises(RuntimeError, match="a defect of the exporter"):
         hf_folder.write(str(tmp_path / "hf"), config, state, "tokenizer.model")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("defect", [False, True], ids=["out of memory", "control: another RuntimeError"])
+def test_an_export_that_runs_out_of_memory_is_one_refusal_and_leaves_nothing(tmp_path, monkeypatch, capsys, defect):
+    """The second group's read asks torch's CPU allocator for more than it can give (a real
+    allocation that fails): one line naming `--out` and what the export needs, exit 2, the
+    shard already begun gone with the staging folder. Control: any other RuntimeError keeps
+    its traceback."""
+    from megatron_async.megatron_lm.export import cli, hf_folder
+
+    config, state = _small_gpt2(vocab=64)
+    names = list(state)
+
+    def groups():
+        yield {names[0]: state[names[0]]}
+        if defect:
+            raise RuntimeError("a defect of the exporter")
+        yield {"too big": torch.empty(2**62, dtype=torch.uint8)}
+
+    def export(load, out, *args, **kwargs):
+        specs = [(key, tuple(value.shape), value.dtype) for key, value in state.items()]
+        hf_folder.write_streamed(out, config, specs, groups(), None)
+
+    monkeypatch.setattr(cli, "export", export)
+    out = tmp_path / "hf"
+    if defect:
+        with pytest.raises(RuntimeError, match="a defect of the exporter"):
+            cli.main(["--load", str(tmp_path), "--out", str(out)])
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["--load", str(tmp_path), "--out", str(out)])
+        assert stopped.value.code == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"megatron-async: error: --out {out}: the export ran out of memory (DefaultCPUAllocator: can't allocate "
+            "memory"), lines
+    assert list(tmp_path.iterdir()) == []

@@ -108,10 +108,18 @@ def planned(arch: str, weights, config, layout: dict):
 
 
 def main(argv=None) -> None:
+    from megatron_async.megatron_lm.export import out_of_memory
+
     options = parser().parse_args(argv)
     try:
-        done = export(options.load, options.out, options.ckpt_step, options.tokenizer_model,
-                      checksums=not options.no_checkpoint_checksums, max_shard_size=options.max_shard_size)
+        try:
+            done = export(options.load, options.out, options.ckpt_step, options.tokenizer_model,
+                          checksums=not options.no_checkpoint_checksums, max_shard_size=options.max_shard_size)
+        except (MemoryError, RuntimeError) as exc:
+            refused = out_of_memory.refusal(os.path.abspath(options.out), exc)
+            if refused is None:
+                raise
+            raise refused from None
     except ExportError as exc:
         print(f"megatron-async: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
