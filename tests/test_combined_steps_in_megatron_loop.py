@@ -8,7 +8,8 @@ here:
 - its losses equal the `--simulated-delay 1 --simulated-pipeline-stages 2` twin's at PP=1
   x DP=2 without the flag (Megatron's own per-layer forward and backward) within BF16_RTOL
   (bf16 rounds differently at PP=1 and PP=2, by up to 3e-5 in other cases; measured here:
-  bitwise), and so do they with layer-wise Muon + EF (a run of its own). Control: Megatron's
+  bitwise), and so do they with layer-wise Muon + EF (a run of its own), and for each optimizer
+  with --overlap-grad-reduce alone (untied only: tied embeddings are refused with the flag). Control: Megatron's
   interleaved 1F1B with the same flag at the same layout (two virtual stages per rank) trains
   (finite, falling losses) and is another trajectory at that tolerance (and the runtime with
   the backward nodes left at the forward's version is 1.4e-3 off at iteration 4);
@@ -84,11 +85,24 @@ def interleaved_run(tmp_path_factory):
     return found
 
 
+# the twin at PP=1 x DP=2 with both overlaps, once per optimizer for the cases that compare against
+# it (an overlap changes when a reduction or a gather runs, not what it computes)
+_TWINS: dict = {}
+OPTIMIZERS = {"adam": [], "muon+ef layer-wise": ["--optimizer", "muon", "--delay-correction", "ef"]}
+# every overlap users set beside the flag: --overlap-param-gather needs --overlap-grad-reduce
+WITHOUT_PARAM_GATHER = [f for f in FLAGS if f != "--overlap-param-gather"]
+
+
+def _twin(tmp_path, optimizer: str) -> list:
+    if optimizer not in _TWINS:
+        _TWINS[optimizer] = losses(tmp_path, "twin", 2, FLAGS + TWIN + OPTIMIZERS[optimizer])
+    return _TWINS[optimizer]
+
+
 def test_2bw_with_the_ep_overlap_equals_its_twin(overlap_run, interleaved_run, tmp_path):
     found = overlap_run[0]
     assert len(found) == ITERS
-    twin = losses(tmp_path, "twin", 2, FLAGS + TWIN)
-    assert_same(found, twin, BF16_RTOL)
+    assert_same(found, _twin(tmp_path, "adam"), BF16_RTOL)
     with pytest.raises(AssertionError):  # control: the comparison tells Megatron's interleaved 1F1B apart
         assert_same(found, interleaved_run, BF16_RTOL)
 
@@ -111,9 +125,17 @@ def test_2bw_with_the_ep_overlap_and_layer_wise_muon_ef_equals_its_twin(tmp_path
     run models NCCL's eager communicators (one stream a group, operations complete in posting
     order: megatron_async/cpu_nccl.py), the module's other runs its lazy ones (a pair's first
     point-to-point operation blocks until its peer's): the combined steps' order holds in both."""
-    muon = ["--optimizer", "muon", "--delay-correction", "ef"]
-    two_bw = losses(tmp_path, "overlap", 4, FLAGS + OVERLAP + muon, env={EAGER_ENV: "1"})
-    assert_same(two_bw, losses(tmp_path, "twin", 2, FLAGS + TWIN + muon), BF16_RTOL)
+    two_bw = losses(tmp_path, "overlap", 4, FLAGS + OVERLAP + OPTIMIZERS["muon+ef layer-wise"], env={EAGER_ENV: "1"})
+    assert_same(two_bw, _twin(tmp_path, "muon+ef layer-wise"), BF16_RTOL)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_2bw_with_the_ep_overlap_and_the_gradient_reduction_overlap_alone_equals_its_twin(tmp_path, optimizer):
+    """The other overlap users set beside the flag: --overlap-grad-reduce without
+    --overlap-param-gather (the parameters gathered by the optimizer's step, not by the
+    forwards' pre-hooks), for each optimizer, against the same twin."""
+    two_bw = losses(tmp_path, "overlap", 4, WITHOUT_PARAM_GATHER + OVERLAP + OPTIMIZERS[optimizer])
+    assert_same(two_bw, _twin(tmp_path, optimizer), BF16_RTOL)
 
 
 def _steps(events: list) -> list[tuple]:
