@@ -136,9 +136,6 @@ CASES = {
                                                                        "--bf16"),
     "MoE all-to-all overlap, two MTP layers": (4, OVERLAP + ["--mtp-num-layers", "2", "--position-embedding-type",
                                                              "rope"], "--mtp-num-layers 2: the combined step runs"),
-    "MoE all-to-all overlap, tied embeddings": (4, _without(OVERLAP, "--untie-embeddings-and-output-weights"),
-                                                "its combined-step lists) needs --untie-embeddings-and-output-"
-                                                "weights and no --mtp-num-layers"),
     "MoE all-to-all overlap, fewer than 2p-1 microbatches": (4, OVERLAP + ["--global-batch-size", "8"],
                                                              "needs at least 2p-1 = 3 microbatches"),
     "MoE all-to-all overlap, overlapped reduce at 2p-1 microbatches": (

@@ -55,6 +55,9 @@ class StageEvents:
     def batch_sent(self, batch: int) -> None:
         """Once this stage posted the send of `batch`'s last activation."""
 
+    def live_forward(self) -> None:
+        """Before a forward that reads the live weights (its version is the newest)."""
+
 
 def _no_data(k: int) -> Iterator:
     raise ScheduleError(f"a forward of microbatch {k} where the executor was given no data (finish runs sends only)")
@@ -116,6 +119,7 @@ class StageExecutor:
         self.forwards += 1
         if k % self.m == 0:
             self._batch_started(k // self.m)
+        self._before_forward_at(action.version)
         input_tensor = None
         if not self.is_first:
             input_tensor = self._received.pop(("act", k)).requires_grad_()
@@ -130,6 +134,10 @@ class StageExecutor:
 
     def _batch_started(self, batch: int) -> None:
         self.events.batch_started(batch)
+
+    def _before_forward_at(self, version: int) -> None:
+        if version == self.stash.newest:  # it reads the live weights
+            self.events.live_forward()
 
     def _hooked(self, k: int) -> bool:
         return k // self.m > self.next_step or k == 0
@@ -362,6 +370,9 @@ class ForwardOnlyExecutor(StageExecutor):
 
     def _batch_started(self, batch: int) -> None:
         pass
+
+    def _before_forward_at(self, version: int) -> None:
+        pass  # an evaluation runs after the training links are drained: the live weights are the newest
 
     def _batch_sent(self, run: list) -> None:
         pass

@@ -13,9 +13,13 @@ twin. The first stage owns the weight:
   the first stage adds it to E's gradient before its optimizer step: Megatron's own
   sum, in Megatron's order (reduced over data-parallel ranks, then over the pair);
 - after its step the first stage sends the new weights W(t+1); the last stage
-  installs them into its live output weight before its step t+1 saves the live
-  weights into the stash, the first point that reads them (batch t+1 runs at W(t),
-  held by the stash). The last stage's own update of O is discarded that way.
+  installs them into its live output weight at the first point that reads them: its
+  step t+1, which saves the live weights into the stash (under 2bw's own lists batch
+  t+1 runs at W(t), held by the stash), or a forward at version t+1 before that step
+  (the combined-step lists' warm-up forward on the last stage). The last stage's own
+  update of O is discarded that way. That forward never waits on the last stage itself:
+  the first stage ran its own forward of the same microbatch at version t+1, so its step t,
+  and the send right after it, came first.
 
 Timing, from the action lists (planning/tied_link_timing.py, tests/test_tied_timing.py):
 the last stage reaches OptimizerStep(t) (p-1) backward slots before the first stage,
@@ -104,7 +108,8 @@ class TiedEmbeddings:
 
     def before_step(self) -> None:
         """Before the optimizer step (and its stash snapshot): the last stage installs
-        W(t) (sent after the first stage's step t-1); the first stage makes sure its
+        W(t) (sent after the first stage's step t-1) unless a forward at version t
+        installed it already; the first stage makes sure its
         send of the live weights is done before the step changes them."""
         if self.first:
             if self._weight_send is not None:

@@ -88,6 +88,13 @@ class TwoBWRunner(StageEvents):
         if self.tied and self.tied.first:
             self.tied.post_grad_recv()
 
+    def live_forward(self) -> None:
+        """The last stage of a tied link installs the first stage's newest weights before a
+        forward reads them: lists with a warm-up forward on the last stage (the combined
+        steps') run one at version v before its step v (pipeline/tied_embeddings.py)."""
+        if self.tied:
+            self.tied.install()
+
     # --- around the optimizer step ------------------------------------------------
     def before_optimizer_step(self) -> None:
         """Right before the optimizer step (and the stash's snapshot of the live weights)."""

@@ -78,19 +78,52 @@ def grad_receive_open(num_stages: int, microbatches: int, posted_at: str = "sent
     return max(open_for)
 
 
-def forward_before_install(lists) -> Forward | None:
-    """The last stage's first forward at a version v >= 1 that runs before its OptimizerStep(v),
-    where the tied link installs the first stage's version v into the last stage's copy of the
-    word embeddings (pipeline/tied_embeddings.py); None if there is none. Such a forward would
-    read the last stage's own update of its copy, which the link discards: under 2bw's own
-    lists the last stage runs batch b+1 (version b) only after its step b, but a deeper warm-up
-    there (the combined-step lists of gen_2bw_paired, one forward) runs it a step earlier."""
-    done = -1  # the last optimizer step run
+def early_installs(lists) -> list[Forward]:
+    """The last stage's forwards at a version v >= 1 that run before its OptimizerStep(v): the
+    tied link installs the first stage's version v there (TwoBWRunner.live_forward) instead of
+    at that step (pipeline/tied_embeddings.py). 2bw's own lists have none (the last stage runs
+    batch v+1 only after its step v); a deeper warm-up there (the combined-step lists of
+    gen_2bw_paired, one forward) has one a batch."""
+    done, early, seen = -1, [], set()  # the last optimizer step run; versions already installed
     for action in lists[-1]:
         if isinstance(action, OptimizerStep):
             done = action.step
             continue
         for x in passes(action):
-            if isinstance(x, Forward) and x.version >= 1 and x.version > done:
-                return x
-    return None
+            if isinstance(x, Forward) and x.version >= 1 and x.version > done and x.version not in seen:
+                early.append(x)
+                seen.add(x.version)
+    return early
+
+
+def sent_before(lists, forward: Forward) -> bool:
+    """Whether the first stage's list runs its OptimizerStep(v-1), after which it sends version
+    v, before its own forward of `forward`'s microbatch: then the last stage's install at that
+    forward waits for nothing the last stage does later (the microbatch's activation reaches it
+    only through that forward)."""
+    for action in lists[0]:
+        if isinstance(action, OptimizerStep) and action.step == forward.version - 1:
+            return True
+        if any(isinstance(x, Forward) and x.microbatch == forward.microbatch for x in passes(action)):
+            return False
+    return False
+
+
+def early_install_window(num_stages: int, microbatches: int, fwd: float = 1.0, bwd: float = 2.0,
+                         pair: float | None = None, batches: int = 6) -> float:
+    """From the end of the first stage's step v-1 (after which it sends version v) to the start
+    of the last stage's early install of v (its first forward at v, `early_installs`), shortest over
+    the combined-step lists' batches, in the simulator's units: how long the transfer of the
+    weights may take before that forward waits for it. `pair`: a combined step's cost."""
+    from megatron_async.schedules.gen_2bw_paired import two_bw_paired
+
+    lists = two_bw_paired(num_stages, microbatches, batches)
+    sim = simulate(lists, fwd=fwd, bwd=bwd, pair=pair)
+    step_end = {a.step: sim.action_ends[0][i] for i, a in enumerate(lists[0]) if isinstance(a, OptimizerStep)}
+    starts = {}
+    for i, action in enumerate(lists[-1]):
+        for x in passes(action):
+            if isinstance(x, Forward):
+                cost = (fwd + bwd if pair is None else pair) if len(passes(action)) > 1 else fwd
+                starts.setdefault(x, sim.action_ends[-1][i] - cost)
+    return min(starts[f] - step_end[f.version - 1] for f in early_installs(lists))

@@ -184,9 +184,9 @@ SILENTLY_WRONG_UNDER_2BW = (
     ("fp8_param_gather", bool, "--fp8-param-gather", "keeps the weights as fp8 tensors " + _STASH_WHY),
     ("fp4_param_gather", bool, "--fp4-param-gather", "keeps the weights as fp4 tensors " + _STASH_WHY),
     ("delay_wgrad_compute", bool, "--delay-wgrad-compute",
-     "defers weight gradients to backward_dw(), which only Megatron's combined step calls, and Megatron's "
-     "TransformerConfig takes it only beside --overlap-moe-expert-parallel-comm, which 2bw keeps out of that "
-     "config (it would ask for virtual stages)"),
+     "makes Transformer Engine's layers defer weight gradients to backward_dw() (DDP's gradient hooks fire "
+     "there), moving them away from where 2bw hands out the fused-wgrad dummy gradients of each node; not "
+     "checked under 2bw"),
     ("overlap_dispatch_backward_with_experts_wgrad", bool, "--overlap-dispatch-backward-with-experts-wgrad",
      "defers expert weight gradients into Megatron's combined 1F1B schedule, which 2bw replaces"),
     ("defer_embedding_wgrad_compute", bool, "--defer-embedding-wgrad-compute",
@@ -402,23 +402,6 @@ def check_2bw(args: argparse.Namespace) -> None:
     from megatron_async.megatron_lm.adapter.combined_step_flags import check_combined_steps
 
     check_combined_steps(args, flag)  # --overlap-moe-expert-parallel-comm: Megatron's checks, made here
-    if copies_embeddings:
-        _check_tied_link_timing(args, mode, flag, m)
-
-
-def _check_tied_link_timing(args: argparse.Namespace, mode: run_mode.RunMode, flag: str, m: int) -> None:
-    """The last stage's copy of the word embeddings is installed at its own optimizer steps:
-    refused where the run's lists run a forward there at a version before its install."""
-    from megatron_async.planning.tied_link_timing import forward_before_install
-
-    lists = mode.schedule.action_generator(mode.combined_steps)(args.pipeline_model_parallel_size, m, 3)
-    early = forward_before_install(lists)
-    with_lists = " with --overlap-moe-expert-parallel-comm (its combined-step lists)" if mode.combined_steps else ""
-    _require(early is None,
-             f"{flag}{with_lists} needs --untie-embeddings-and-output-weights and no --mtp-num-layers: the last "
-             "stage's copy of the word embeddings is the first stage's version v, installed at that stage's "
-             f"optimizer step v (pipeline/tied_embeddings.py), and its lists run {early} before that step, which "
-             "would read the stage's own, discarded update")
 
 
 def _schedule_flag(mode: run_mode.RunMode) -> str:
