@@ -12,7 +12,7 @@ in addition, on every rank in order:
   forward or backward, where version is the one every weight the node may read (its
   layer's and those outside the layers) points at then, read off the stash's storages (the
   live one and each stashed slot), not the version the node was given; "mixed" where they
-  point at more than one;
+  point at more than one; NO_WEIGHTS for a node that may read none;
 - ("read", microbatch, label, module, version, listed) as a module with weights of its own is
   called inside a node's forward (its forward pre-hook): the weights the node reads, found
   apart from the node's list of what it may read; version as above over that module's
@@ -34,6 +34,9 @@ import sys
 _STATE = {"events": [], "inside": [], "nodes": [], "watched": False}
 
 
+NO_WEIGHTS = "no weights"
+
+
 def _version_of(stash, i: int) -> object:
     """The version whose storage the stash's parameter `i` points at now."""
     param = stash.params[i]
@@ -47,7 +50,10 @@ def _version_of(stash, i: int) -> object:
 
 
 def _version_over(stash, positions) -> object:
-    """The version the stash's parameters at `positions` all point at now, or "mixed"."""
+    """The version the stash's parameters at `positions` all point at now, "mixed", or NO_WEIGHTS
+    where there are none (a middle stage's pre-process node: no embedding there)."""
+    if not positions:
+        return NO_WEIGHTS
     seen = {_version_of(stash, i) for i in positions}
     return seen.pop() if len(seen) == 1 else "mixed"
 
