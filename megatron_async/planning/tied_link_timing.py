@@ -84,15 +84,15 @@ def early_installs(lists) -> list[Forward]:
     at that step (pipeline/tied_embeddings.py). 2bw's own lists have none (the last stage runs
     batch v+1 only after its step v); a deeper warm-up there (the combined-step lists of
     gen_2bw_paired, one forward) has one a batch."""
-    done, early, seen = -1, [], set()  # the last optimizer step run; versions already installed
+    installed, early = 0, []  # the newest version installed (step v installs v)
     for action in lists[-1]:
         if isinstance(action, OptimizerStep):
-            done = action.step
+            installed = max(installed, action.step)
             continue
         for x in passes(action):
-            if isinstance(x, Forward) and x.version >= 1 and x.version > done and x.version not in seen:
+            if isinstance(x, Forward) and x.version > installed:
                 early.append(x)
-                seen.add(x.version)
+                installed = x.version
     return early
 
 
@@ -118,12 +118,9 @@ def early_install_window(num_stages: int, microbatches: int, fwd: float = 1.0, b
     from megatron_async.schedules.gen_2bw_paired import two_bw_paired
 
     lists = two_bw_paired(num_stages, microbatches, batches)
-    sim = simulate(lists, fwd=fwd, bwd=bwd, pair=pair)
-    step_end = {a.step: sim.action_ends[0][i] for i, a in enumerate(lists[0]) if isinstance(a, OptimizerStep)}
-    starts = {}
-    for i, action in enumerate(lists[-1]):
-        for x in passes(action):
-            if isinstance(x, Forward):
-                cost = (fwd + bwd if pair is None else pair) if len(passes(action)) > 1 else fwd
-                starts.setdefault(x, sim.action_ends[-1][i] - cost)
-    return min(starts[f] - step_end[f.version - 1] for f in early_installs(lists))
+    events = simulate(lists, fwd=fwd, bwd=bwd, pair=pair).events
+    step_end = {e.step: e.end for e in events if e.stage == 0 and e.kind == "optimizer"}
+    # a combined step's event carries its forward's microbatch
+    start = {e.microbatch: e.start for e in events
+             if e.stage == num_stages - 1 and e.kind in ("forward", "forward_backward")}
+    return min(start[f.microbatch] - step_end[f.version - 1] for f in early_installs(lists))
